@@ -1,0 +1,243 @@
+"""Settings: every knob of a run, with one source of truth for flags and TOML keys.
+
+Each field carries its help text and the flag it maps to. The CLI builds its
+argparse options from these fields, and a TOML config file uses the same names
+(dashes or underscores), so a flag and a config key can never drift apart.
+Precedence: defaults < config file < command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+LB_POLICIES = ("least-outstanding", "round-robin")
+PROXY_MODES = ("embedded", "nginx", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def opt(default: Any, help: str, *, group: str = "launch", short: str | None = None,
+        metavar: str | None = None, repeat: bool = False) -> Any:
+    """A dataclass field that also describes its command-line flag."""
+    meta = {"help": help, "group": group, "short": short, "metavar": metavar, "repeat": repeat}
+    if isinstance(default, (list, dict)):
+        raise TypeError("use tuples for immutable defaults")
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- launch -----------------------------------------------------------------
+    gpus: str = opt("all", "GPUs to use: 'all', '0-3', '0,2,4,6', '0-3,6-7'")
+    tp: int = opt(1, "tensor-parallel size: GPUs per instance (one mpirun job each)")
+    model_repo: str = opt("", "Triton model repository served by every instance", metavar="DIR")
+    assume_gpus: int | None = opt(None, "declare N GPUs instead of asking NVML "
+                                  "(CPU-only hosts and tests; ranks then get no real GPU)", metavar="N")
+    tensorrt_llm_model: tuple[str, ...] = opt(("tensorrt_llm",), "model(s) ranks != 0 load "
+                                              "(repeat or comma list)", repeat=True, metavar="NAME")
+    served_model: str = opt("ensemble", "model that health checks and the canary ask for", metavar="NAME")
+    mpirun: str = opt("", "mpirun binary (default: mpirun on PATH)", metavar="PATH")
+    tritonserver: str = opt("", "tritonserver binary (default: PATH, then /opt/tritonserver/bin/tritonserver)",
+                            metavar="PATH")
+    base_port: int = opt(8000, "first instance port; instance i uses base+3i .. base+3i+2 "
+                         "(http, grpc, metrics)", metavar="PORT")
+    bind_address: str = opt("127.0.0.1", "address instance ports bind to; keep loopback so only "
+                            "the load balancer is public", metavar="ADDR")
+    tritonserver_arg: tuple[str, ...] = opt((), "extra argument passed to every tritonserver rank "
+                                            "(repeat; e.g. --tritonserver-arg=--log-verbose=1)",
+                                            repeat=True, metavar="ARG")
+    state_dir: str = opt("", "state directory: lock, pids, logs, control socket "
+                         "(default /run/trtllm-orch as root, else $XDG_RUNTIME_DIR/trtllm-orch)", metavar="DIR")
+    stop_grace_s: float = opt(10.0, "seconds between SIGTERM and SIGKILL when stopping an instance",
+                              metavar="S")
+    log_level: str = opt("info", "daemon log level: " + ", ".join(LOG_LEVELS), group="daemon")
+    log_max_bytes: int = opt(50 * 1024 * 1024, "instance log size before rotation", group="daemon",
+                             metavar="BYTES")
+    log_backups: int = opt(3, "rotated instance logs kept", group="daemon", metavar="N")
+
+    # --- proxy ------------------------------------------------------------------
+    proxy: str = opt("embedded", "load balancer: " + ", ".join(PROXY_MODES), group="proxy")
+    listen: str = opt("0.0.0.0:8080", "public HTTP endpoint", group="proxy", metavar="HOST:PORT")
+    grpc_listen: str = opt("0.0.0.0:8081", "public gRPC endpoint ('' disables it)", group="proxy",
+                           metavar="HOST:PORT")
+    metrics_listen: str = opt("127.0.0.1:8090", "the proxy's own Prometheus /metrics ('' disables)",
+                              group="proxy", metavar="HOST:PORT")
+    lb_policy: str = opt("least-outstanding", "routing: " + ", ".join(LB_POLICIES), group="proxy")
+    trusted_proxy: tuple[str, ...] = opt((), "peer address whose X-Forwarded-For is kept (repeat)",
+                                         group="proxy", repeat=True, metavar="ADDR")
+    max_body_bytes: int = opt(64 * 1024 * 1024, "largest request body accepted", group="proxy",
+                              metavar="BYTES")
+    connect_timeout_s: float = opt(2.0, "upstream connect timeout", group="proxy", metavar="S")
+    idle_timeout_s: float = opt(300.0, "longest silence between upstream chunks (not a total "
+                                "timeout: long generations are not cut)", group="proxy", metavar="S")
+    max_attempts: int = opt(3, "upstream attempts per request (retries only before any byte "
+                            "reached the client)", group="proxy", metavar="N")
+    allow_admin: bool = opt(False, "let Triton's admin API (load/unload, shared memory, trace, "
+                            "logging, config, stats) through the proxy", group="proxy")
+    nginx: str = opt("nginx", "nginx binary for --proxy nginx", group="proxy", metavar="PATH")
+
+    # --- health -----------------------------------------------------------------
+    probe_interval_s: float = opt(2.0, "active health probe period", group="health", metavar="S")
+    probe_timeout_s: float = opt(1.0, "active health probe timeout", group="health", metavar="S")
+    probe_failures: int = opt(3, "consecutive failed probes that make an instance unhealthy",
+                              group="health", metavar="N")
+    startup_timeout_s: float = opt(900.0, "deadline for an instance's first READY (model loads)",
+                                   group="health", metavar="S")
+    canary_interval_s: float = opt(30.0, "period of the canary inference (0 disables)",
+                                   group="health", metavar="S")
+    canary_idle_s: float = opt(5.0, "run the canary early once an instance has been idle this long",
+                               group="health", metavar="S")
+    canary_deadline_s: float = opt(10.0, "a canary that takes longer means a hung instance",
+                                   group="health", metavar="S")
+    canary_body: str = opt("", "JSON body of the canary generate request (default: 1-token generate)",
+                           group="health", metavar="JSON")
+    outlier_failures: int = opt(5, "consecutive proxy-seen failures that eject an instance",
+                                group="health", metavar="N")
+    backoff_initial_s: float = opt(1.0, "first restart delay after a repeat failure", group="health",
+                                   metavar="S")
+    backoff_max_s: float = opt(30.0, "cap on restart delay", group="health", metavar="S")
+    stable_after_s: float = opt(60.0, "READY this long resets the backoff", group="health", metavar="S")
+    max_failures: int = opt(5, "failures within --failure-window-s that make an instance FAILED",
+                            group="health", metavar="N")
+    failure_window_s: float = opt(600.0, "window for --max-failures", group="health", metavar="S")
+
+    # --- service ----------------------------------------------------------------
+    ready_min: int = opt(0, "instances READY before the service reports ready (0: all)",
+                         group="service", metavar="N")
+    detach: bool = opt(False, "run the daemon in the background; return once the endpoint is ready",
+                       group="service")
+
+    def __post_init__(self) -> None:
+        # Validation here so a config file and flags get the same one-line errors.
+        def positive(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if v < 0 or (v == 0 and not allow_zero):
+                raise UsageError(flag(name), v, "must be " + ("zero or more" if allow_zero else "positive"))
+
+        if self.tp < 1:
+            raise UsageError("--tp", self.tp, "must be at least 1")
+        if self.assume_gpus is not None and self.assume_gpus < 1:
+            raise UsageError("--assume-gpus", self.assume_gpus, "must be at least 1")
+        if not 1 <= self.base_port <= 65535:
+            raise UsageError("--base-port", self.base_port, "must be a TCP port (1-65535)")
+        for name in ("stop_grace_s", "probe_interval_s", "probe_timeout_s", "startup_timeout_s",
+                     "canary_deadline_s", "connect_timeout_s", "idle_timeout_s", "max_body_bytes",
+                     "probe_failures", "max_attempts", "max_failures", "failure_window_s",
+                     "outlier_failures", "log_max_bytes"):
+            positive(name)
+        for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
+                     "stable_after_s", "ready_min", "log_backups"):
+            positive(name, allow_zero=True)
+        for name, allowed in (("proxy", PROXY_MODES), ("lb_policy", LB_POLICIES), ("log_level", LOG_LEVELS)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(flag(name), getattr(self, name), "must be one of " + ", ".join(allowed))
+        for name in ("listen", "grpc_listen", "metrics_listen"):
+            value = getattr(self, name)
+            if value or name == "listen":
+                parse_host_port(value, flag(name))
+        if not self.tensorrt_llm_model or any(not m for m in self.tensorrt_llm_model):
+            raise UsageError("--tensorrt-llm-model", ",".join(self.tensorrt_llm_model), "needs a model name")
+
+    def resolved_state_dir(self) -> Path:
+        if self.state_dir:
+            return Path(self.state_dir).expanduser().absolute()
+        return default_state_dir()
+
+    def with_changes(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/trtllm-orch")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "trtllm-orch"
+    return Path(f"/tmp/trtllm-orch-{os.geteuid()}")
+
+
+def parse_host_port(value: str, field_name: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(field_name, value, "expected HOST:PORT, e.g. 0.0.0.0:8080")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Turn a TOML or flag value into the field's type, with a one-line error on mismatch."""
+    f = FIELDS[name]
+    default = f.default
+    shown = flag(name) if source == "flag" else name.replace("_", "-")
+    if f.metadata["repeat"]:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        out: list[str] = []
+        for item in items:
+            if not isinstance(item, str):
+                raise UsageError(shown, value, "expected a string or a list of strings")
+            # Model names may come comma-separated; tritonserver args never are.
+            out.extend(p for p in item.split(",") if p) if name == "tensorrt_llm_model" else out.append(item)
+        return tuple(out)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise UsageError(shown, value, "expected true or false")
+        return value
+    if isinstance(default, int) or name == "assume_gpus":
+        if isinstance(value, bool) or not isinstance(value, int):
+            try:
+                return int(str(value), 10)
+            except ValueError:
+                raise UsageError(shown, value, "expected an integer") from None
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool):
+            raise UsageError(shown, value, "expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UsageError(shown, value, "expected a number") from None
+    if not isinstance(value, str):
+        raise UsageError(shown, value, "expected a string")
+    return value
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a config file into field-name -> value, rejecting keys we do not know."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UsageError("--config", path, "file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError("--config", path, f"invalid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS or name == "detach":
+            raise UsageError("config key", key, f"unknown key in {path}")
+        values[name] = _coerce(name, value, "config")
+    return values
+
+
+def build_settings(config_file: str | None, flags: dict[str, Any]) -> Settings:
+    """defaults < config file < flags (flags holds only what the user actually gave)."""
+    merged: dict[str, Any] = load_toml(config_file) if config_file else {}
+    for name, value in flags.items():
+        if value is not None:
+            merged[name] = _coerce(name, value, "flag")
+    return Settings(**merged)

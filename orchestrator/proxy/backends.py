@@ -1,0 +1,72 @@
+"""The set of instances that may receive traffic, owned by the daemon.
+
+The daemon is the only writer (`publish`); proxies only read (`current`) and
+subscribe (`subscribe`) to changes. Proxies report what they saw go wrong
+(`report_failure` / `report_success`) and the daemon decides what it means: the
+proxy never guesses which instances are ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backend:
+    instance_id: str  # "0", "1", ...
+    host: str  # loopback address the instance binds to
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+
+Listener = Callable[[tuple[Backend, ...]], None]
+FailureSink = Callable[[str, str], None]  # (instance_id, reason)
+
+
+class ReadyBackends:
+    def __init__(self) -> None:
+        self._ready: tuple[Backend, ...] = ()
+        self._listeners: list[Listener] = []
+        self._failure_sink: FailureSink | None = None
+        self._success_sink: Callable[[str], None] | None = None
+
+    # --- daemon side -------------------------------------------------------------
+    def publish(self, backends: tuple[Backend, ...]) -> None:
+        """Replace the ready set; listeners run synchronously so no request sees a stale set."""
+        backends = tuple(sorted(backends, key=lambda b: int(b.instance_id)))
+        if backends == self._ready:
+            return
+        self._ready = backends
+        for listener in list(self._listeners):
+            listener(backends)
+
+    def set_health_sinks(self, on_failure: FailureSink, on_success: Callable[[str], None]) -> None:
+        self._failure_sink = on_failure
+        self._success_sink = on_success
+
+    # --- proxy side --------------------------------------------------------------
+    def current(self) -> tuple[Backend, ...]:
+        return self._ready
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def report_failure(self, instance_id: str, reason: str) -> None:
+        """A connect failure, reset or 5xx seen by a proxy (passive health)."""
+        if self._failure_sink is not None:
+            self._failure_sink(instance_id, reason)
+
+    def report_success(self, instance_id: str) -> None:
+        if self._success_sink is not None:
+            self._success_sink(instance_id)
