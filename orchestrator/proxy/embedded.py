@@ -1,0 +1,436 @@
+"""The embedded HTTP reverse proxy: one public endpoint in front of the ready instances.
+
+Request path, in order:
+  surface check (403/404/405 never reach an instance) -> local health answers ->
+  body read into memory (bounded: 413) so it can be re-sent -> pick an instance ->
+  forward -> relay the response.
+
+Retries happen only before any response byte reached the client: a refused or
+timed-out connect, or a connection dropped before response headers, moves the
+request to another ready instance (max_attempts in all). Once headers arrived we
+commit: a failure mid-body truncates the client's response (the connection is
+closed without the final chunk), which is the only honest signal left.
+
+Lifecycle (one owner, fixed order): start() creates the client session, then
+binds the public listener, then the metrics listener; stop() stops accepting,
+waits for in-flight requests up to the grace, cancels the rest (which closes
+their upstream connections so Triton cancels the generations), then closes the
+listeners and the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from ..config import Settings, parse_host_port
+from ..errors import OrchError
+from .backends import Backend, ReadyBackends
+from .balancer import Balancer
+from .headers import TrustedPeers, client_response_headers, upstream_request_headers
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import NO_INSTANCE, ProxyMetrics
+from .surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, PUBLIC, READY, Surface
+
+# Responses with a Content-Length up to this size are read whole and sent in one
+# write (fewer syscalls, and a drop mid-body becomes a clean 502 instead of a
+# truncated response). Larger, chunked and SSE bodies are relayed chunk by chunk.
+BUFFER_MAX = 256 * 1024
+# Per-instance connection cap. Long streams each hold a connection, so no total
+# cap (it would starve short requests behind streams); the per-host cap only
+# protects an instance's file descriptors. Requests beyond it wait for a free
+# connection rather than fail.
+CONNECTIONS_PER_INSTANCE = 1024
+UPSTREAM_KEEPALIVE_S = 30.0
+CLIENT_KEEPALIVE_S = 75.0
+RETRY_AFTER_S = "1"
+# How long cancelled handlers get to close their upstream connections at stop().
+CANCEL_GRACE_S = 1.0
+
+_JSON = "application/json"
+_SSE = "text/event-stream"
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None,
+           close: bool = False) -> web.Response:
+    # json.dumps is not needed for our own fixed messages; keep quotes escaped anyway.
+    body = '{"error": "' + message.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+    resp = web.Response(status=status, text=body, content_type=_JSON, headers=headers)
+    if close:
+        resp.force_close()
+    return resp
+
+
+class _Retryable(Exception):
+    """An attempt failed before any response byte reached the client."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EmbeddedProxy:
+    def __init__(self, settings: Settings, backends: ReadyBackends,
+                 logger: logging.Logger | None = None) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._log = logger or logging.getLogger("trtllm_orch.proxy")
+        self._balancer = Balancer(settings.lb_policy)
+        self._surface = Surface()
+        self._trusted = TrustedPeers(settings.trusted_proxy)
+        self.metrics = ProxyMetrics()
+        self._max_body = settings.max_body_bytes
+        self._max_attempts = settings.max_attempts
+        self._allow_admin = settings.allow_admin
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.ServerRunner | None = None
+        self._metrics_runner: web.ServerRunner | None = None
+        self._unsubscribe: Any = None
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+        self._bound_port = 0
+        self._base_urls: dict[Backend, URL] = {}
+
+    # --- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self._settings
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=CONNECTIONS_PER_INSTANCE,
+                                         keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            # Idle timeouts only: sock_read bounds the wait for headers and the
+            # silence between chunks; no total, so long generations are not cut.
+            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=s.connect_timeout_s,
+                                          sock_read=s.idle_timeout_s),
+            auto_decompress=False,  # relay bytes as the instance encoded them
+            cookie_jar=aiohttp.DummyCookieJar(),  # never mix one client's cookies into another's
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            trust_env=False,
+        )
+        self._unsubscribe = self._backends.subscribe(self._on_backends)
+        self._on_backends(self._backends.current())
+        try:
+            self._runner = await self._listen(self._handle, s.listen, "--listen")
+            self._bound_port = self._runner.addresses[0][1]
+            if s.metrics_listen:
+                self._metrics_runner = await self._listen(self._handle_metrics, s.metrics_listen,
+                                                          "--metrics-listen")
+        except BaseException:
+            await self._close_all()
+            raise
+        self._log.info("proxy listening on %s (metrics: %s, policy %s)", s.listen,
+                       s.metrics_listen or "off", s.lb_policy)
+
+    async def _listen(self, handler: Any, address: str, flag: str) -> web.ServerRunner:
+        host, port = parse_host_port(address, flag)
+        server = web.Server(handler, handler_cancellation=True, access_log=None,
+                            auto_decompress=False, keepalive_timeout=CLIENT_KEEPALIVE_S,
+                            logger=self._log)
+        runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CANCEL_GRACE_S)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port, backlog=1024).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OrchError(f"{flag}={address!r}: cannot listen: {exc.strerror or exc}") from None
+        return runner
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._stopping = True
+        # 1. stop accepting; idle keep-alive connections close now, busy ones after
+        #    their current response.
+        for runner in (self._runner, self._metrics_runner):
+            if runner is not None:
+                for site in list(runner.sites):
+                    await site.stop()
+                if runner.server is not None:
+                    runner.server.pre_shutdown()
+        # 2. let in-flight requests finish, up to the grace.
+        if self._handlers:
+            _, pending = await asyncio.wait(list(self._handlers), timeout=max(grace_s, 0))
+            # 3. cancel the rest: their upstream responses close, so Triton cancels them.
+            if pending:
+                self._log.warning("proxy stop: cancelling %d request(s) still running after %.1fs",
+                                  len(pending), grace_s)
+                for t in pending:
+                    t.cancel()
+                await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
+        await self._close_all()
+
+    async def _close_all(self) -> None:
+        # Listeners before the session: no handler may start an upstream request
+        # on a closed session.
+        for attr in ("_runner", "_metrics_runner"):
+            runner = getattr(self, attr)
+            if runner is not None:
+                setattr(self, attr, None)
+                await runner.cleanup()
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+        if self._unsubscribe is not None:
+            unsubscribe, self._unsubscribe = self._unsubscribe, None
+            unsubscribe()
+
+    def inflight(self) -> dict[str, int]:
+        out = {b.instance_id: 0 for b in self._backends.current()}
+        out.update(self._balancer.inflight)
+        return out
+
+    @property
+    def bound_port(self) -> int:
+        return self._bound_port
+
+    def _on_backends(self, backends: tuple[Backend, ...]) -> None:
+        self.metrics.set_ready(b.instance_id for b in backends)
+        self._base_urls = {b: URL.build(scheme="http", host=b.host, port=b.http_port)
+                           for b in backends}
+
+    # --- metrics listener -------------------------------------------------------------
+    async def _handle_metrics(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path != "/metrics":
+            return _error(404, "not found")
+        if request.method != "GET":
+            return _error(405, "method not allowed", headers={"Allow": "GET"})
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    # --- public listener ------------------------------------------------------------
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            resp = await self._dispatch(request)
+        finally:
+            self._handlers.discard(task)
+        if self._stopping and not resp.prepared:
+            resp.force_close()
+        return resp
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        url = request.rel_url
+        route = self._surface.route(request.method, url.raw_path)
+        kind = route.kind
+        if kind is PUBLIC or (kind is ADMIN and self._allow_admin):
+            return await self._forward(request, route.path, url.raw_query_string, route.stream)
+        if kind is READY:
+            if self._backends.current():
+                resp = web.Response(status=200)
+            else:
+                resp = _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
+        elif kind is LIVE:
+            resp = web.Response(status=200)
+        elif kind is ADMIN:
+            resp = _error(403, "admin API is disabled on this endpoint (see --allow-admin)")
+        elif kind is METHOD_NOT_ALLOWED:
+            resp = _error(405, f"method {request.method} not allowed", {"Allow": route.allow})
+        elif kind is NOT_FOUND:
+            resp = _error(404, "not found")
+        else:
+            assert kind is BAD_PATH
+            resp = _error(400, "malformed request path")
+        self.metrics.count(NO_INSTANCE, resp.status)
+        if self._log.isEnabledFor(logging.DEBUG):
+            self._log.debug("%s %s -> %d (%s)", request.method, url.raw_path, resp.status, kind)
+        return resp
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes | web.Response:
+        """The whole request body, or the error response to send instead."""
+        if not request.body_exists:
+            return b""
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            return _error(413, f"request body over {self._max_body} bytes", close=True)
+        if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # as aiohttp's own expect handler: body not started
+        content = request.content
+        try:
+            if length is not None:
+                return await content.readexactly(length)
+            parts: list[bytes] = []
+            total = 0
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    return b"".join(parts)
+                total += len(chunk)
+                if total > self._max_body:
+                    return _error(413, f"request body over {self._max_body} bytes", close=True)
+                parts.append(chunk)
+        except Exception as exc:
+            # Truncated or malformed chunked body (aiohttp's payload errors), or the
+            # client went away mid-body. Nothing to forward; the connection is done.
+            self._log.debug("bad request body from %s: %r", request.remote, exc)
+            return _error(400, "incomplete or malformed request body", close=True)
+
+    async def _forward(self, request: web.BaseRequest, path: str, query: str,
+                       stream: bool) -> web.StreamResponse:
+        if not self._backends.current():
+            self.metrics.count(NO_INSTANCE, 503)
+            return _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
+        body = await self._read_body(request)
+        if not isinstance(body, bytes):
+            self.metrics.count(NO_INSTANCE, body.status)
+            return body
+        peer = request.remote
+        headers = upstream_request_headers(request.headers, peer, peer in self._trusted)
+        method = request.method
+        session = self._session
+        if session is None or session.closed:
+            self.metrics.count(NO_INSTANCE, 503)
+            return _error(503, "proxy is shutting down", {"Retry-After": RETRY_AFTER_S}, close=True)
+        balancer = self._balancer
+        tried: list[str] = []
+        last = "no attempt made"
+        loop = asyncio.get_running_loop()
+        for attempt in range(self._max_attempts):
+            backends = self._backends.current()  # re-read: the set may change between attempts
+            b = balancer.pick(backends, tried) or balancer.pick(backends)
+            if b is None:
+                break
+            iid = b.instance_id
+            tried.append(iid)
+            base = self._base_urls.get(b) or URL.build(scheme="http", host=b.host, port=b.http_port)
+            target = base.with_path(path, encoded=True)
+            if query:
+                target = target.with_query(query)
+            balancer.acquire(iid)
+            gauge = self.metrics.inflight_child(iid)
+            gauge.inc()
+            try:
+                t0 = loop.time()
+                try:
+                    up = await session.request(method, target, headers=headers, data=body,
+                                               allow_redirects=False)
+                except aiohttp.ClientConnectorError as exc:
+                    raise _Retryable("connect_refused") from exc
+                except aiohttp.ConnectionTimeoutError as exc:
+                    raise _Retryable("connect_timeout") from exc
+                except aiohttp.SocketTimeoutError:
+                    # The instance took the request and went silent for idle_timeout_s:
+                    # not retried (the work may be running), reported as a hang.
+                    self._upstream_failed(iid, "header_timeout")
+                    self.metrics.count(iid, 504)
+                    return _error(504, "instance did not answer within the idle timeout")
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    raise _Retryable("disconnected") from exc
+                except aiohttp.ClientError as exc:  # e.g. an unparsable response
+                    self._upstream_failed(iid, "bad_response")
+                    self._log.warning("instance %s: bad response for %s: %r", iid, path, exc)
+                    self.metrics.count(iid, 502)
+                    return _error(502, "instance sent an invalid response")
+                self.metrics.observe_latency(iid, loop.time() - t0)
+                return await self._relay(request, up, iid, stream)
+            except _Retryable as exc:
+                last = f"instance {iid}: {exc.reason}"
+                self._upstream_failed(iid, exc.reason)
+                if exc.reason != "disconnected":
+                    balancer.connect_failed(iid)
+                if attempt + 1 < self._max_attempts:
+                    self.metrics.retry(iid, exc.reason)
+                self._log.debug("attempt %d for %s failed: %s", attempt + 1, path, last)
+            finally:
+                balancer.release(iid)
+                gauge.dec()
+        self.metrics.count(NO_INSTANCE, 502)
+        self._log.warning("%s %s: all %d attempt(s) failed, last: %s", method, path, len(tried), last)
+        return _error(502, f"all upstream attempts failed ({last})")
+
+    def _upstream_failed(self, iid: str, reason: str) -> None:
+        self.metrics.failure(iid, reason)
+        self._backends.report_failure(iid, reason)
+
+    async def _relay(self, request: web.BaseRequest, up: aiohttp.ClientResponse, iid: str,
+                     stream: bool) -> web.StreamResponse:
+        """Send the instance's response to the client; `up` is always closed or released."""
+        status = up.status
+        if status >= 500:
+            self._upstream_failed(iid, f"http_{status}")
+        else:
+            self._balancer.succeeded(iid)
+            self._backends.report_success(iid)
+        uh = up.headers
+        length = uh.get("Content-Length")
+        ctype = uh.get("Content-Type", "")
+        clean = False
+        try:
+            if (not stream and length is not None and length.isdigit() and int(length) <= BUFFER_MAX
+                    and "Transfer-Encoding" not in uh and not ctype.startswith(_SSE)):
+                try:
+                    data = await up.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    self._upstream_failed(iid, "body_error")
+                    self.metrics.count(iid, 502)
+                    self._log.debug("instance %s: body failed: %r", iid, exc)
+                    return _error(502, "instance dropped the connection mid-response")
+                self.metrics.count(iid, status)
+                clean = True
+                return web.Response(status=status, reason=up.reason, body=data,
+                                    headers=client_response_headers(uh, keep_length=False))
+            resp, clean = await self._stream(request, up, iid, length)
+            return resp
+        finally:
+            # release() returns a fully read connection to the pool; close() drops
+            # it, which is how the instance learns that the client went away.
+            if clean:
+                up.release()
+            else:
+                up.close()
+
+    async def _stream(self, request: web.BaseRequest, up: aiohttp.ClientResponse, iid: str,
+                      length: str | None) -> tuple[web.StreamResponse, bool]:
+        """Relay chunk by chunk; True when the instance's response was read to its end."""
+        headers = client_response_headers(up.headers, keep_length=length is not None)
+        if headers.get("Content-Type", "").startswith(_SSE) or length is None:
+            headers.setdefault("X-Accel-Buffering", "no")  # tell any proxy in front not to buffer
+            headers.setdefault("Cache-Control", "no-cache")
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        self.metrics.count(iid, up.status)
+        try:
+            await resp.prepare(request)
+        except ConnectionError:
+            return resp, False  # client already gone
+        content = up.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                # Committed: bytes may have reached the client. Truncate so it can tell.
+                reason = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "body_error"
+                self._upstream_failed(iid, reason)
+                self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
+                request.protocol.force_close()
+                return resp, False
+            if not chunk:
+                break
+            try:
+                await resp.write(chunk)
+            except ConnectionError:
+                # Client went away: returning closes `up`, so Triton sees the cancel.
+                self._log.debug("client %s disconnected mid-stream from instance %s",
+                                request.remote, iid)
+                return resp, False
+        try:
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+        return resp, True
+
+
+def install_uvloop_if_available() -> bool:
+    """For the daemon's entry point: use uvloop when installed, never require it."""
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+__all__ = ["EmbeddedProxy", "install_uvloop_if_available"]
