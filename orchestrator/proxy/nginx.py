@@ -130,6 +130,17 @@ def _children(pid: int) -> set[int]:
     return out
 
 
+def _shutting_down(pid: int) -> bool:
+    # nginx retitles a worker "nginx: worker process is shutting down" when it starts
+    # its graceful exit; a worker that is gone has finished it.
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmdline = fh.read()
+    except OSError:
+        return True
+    return not cmdline or b"shutting down" in cmdline
+
+
 class NginxProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
                  logger: logging.Logger | None = None) -> None:
@@ -288,12 +299,16 @@ class NginxProxy:
         # A second SIGHUP while the master is still re-reading the config is safe but
         # pointless; waiting for the new workers keeps reloads strictly one at a time.
         assert self._proc is not None
+        # Done when new workers run and every old one has at least begun its graceful
+        # exit (it then stops accepting and closes idle keep-alive connections, so new
+        # requests land on the new config; its in-flight requests still finish).
         deadline = time.monotonic() + RELOAD_WAIT_S
         while time.monotonic() < deadline and self._proc.returncode is None:
-            if _children(self._proc.pid) - before:
+            now = _children(self._proc.pid)
+            if now - before and all(_shutting_down(pid) for pid in now & before):
                 return
             await asyncio.sleep(0.02)
-        self._log.warning("nginx %d started no new workers %.0f s after SIGHUP", self._proc.pid, RELOAD_WAIT_S)
+        self._log.warning("nginx %d: reload not finished %.0f s after SIGHUP", self._proc.pid, RELOAD_WAIT_S)
 
     # --- helpers -----------------------------------------------------------------
     def _binary(self) -> str:
@@ -353,6 +368,13 @@ class NginxProxy:
                     raise OrchError(f"{flag}={_addr(host, port)}: nginx not listening after "
                                     f"{LISTEN_WAIT_S:.0f} s: {self._last_error_line()}")
                 await asyncio.sleep(0.05)
+        # The master binds before it forks workers; a connect succeeds (backlog) before
+        # anyone can answer. Started means a worker runs.
+        while not _children(self._proc.pid):
+            if self._proc.returncode is not None or time.monotonic() > deadline:
+                raise OrchError(f"--listen={_addr(self._listen[0], self._port)}: nginx started no worker: "
+                                f"{self._last_error_line()}")
+            await asyncio.sleep(0.02)
 
     def _last_error_line(self) -> str:
         for name in ("error.log", "nginx.stderr.log"):
