@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Iterator
 
+import psutil
 import pytest
 
 from orchestrator.health.exit_watch import ExitWatcher
@@ -28,28 +29,45 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+class Spawned(list):
+    """Popen objects a test started, plus grandchild pids that are not ours to wait for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # psutil.Process remembers the create time, so kill() never hits a reused pid.
+        self.strays: list[psutil.Process] = []
+
+
 @pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen]]:
-    """Every process a test starts; all killed and reaped at the end, whatever happened."""
-    started: list[subprocess.Popen] = []
+def procs() -> Iterator[Spawned]:
+    """Every process a test starts; all killed (and children reaped) at the end, whatever happened."""
+    started = Spawned()
     yield started
+    for stray in started.strays:
+        try:
+            stray.kill()
+        except psutil.NoSuchProcess:
+            pass
     for p in started:
         if p.poll() is None:
             p.kill()
         p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
 
 
-def sleeper(procs: list[subprocess.Popen]) -> subprocess.Popen:
+def sleeper(procs: Spawned) -> subprocess.Popen:
     p = subprocess.Popen(["sleep", "30"])
     procs.append(p)
     return p
 
 
-def grandchild(procs: list[subprocess.Popen]) -> tuple[subprocess.Popen, int]:
+def grandchild(procs: Spawned) -> tuple[subprocess.Popen, int]:
     """sh starts `sleep 30` and waits for it: the sleep's parent is sh, not us."""
     parent = subprocess.Popen(["sh", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
     procs.append(parent)
     pid = int(parent.stdout.readline())
+    procs.strays.append(psutil.Process(pid))
     return parent, pid
 
 
@@ -274,6 +292,7 @@ def test_python_stub_like_process(procs) -> None:
             stdout=subprocess.PIPE, text=True)
         procs.append(parent)
         pid = int(parent.stdout.readline())
+        procs.strays.append(psutil.Process(pid))
         with ExitWatcher(asyncio.get_running_loop()) as w:
             await kill_and_time(w, pid, PIDFD_LIMIT_S)
 
