@@ -9,6 +9,7 @@ Precedence: defaults < config file < command-line flags.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -141,6 +142,13 @@ class Settings:
             value = getattr(self, name)
             if value or name == "listen":
                 parse_host_port(value, flag(name))
+        if self.canary_body:
+            try:
+                body = json.loads(self.canary_body)
+            except json.JSONDecodeError as exc:
+                raise UsageError("--canary-body", self.canary_body, f"not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise UsageError("--canary-body", self.canary_body, "must be a JSON object")
         if not self.tensorrt_llm_model or any(not m for m in self.tensorrt_llm_model):
             raise UsageError("--tensorrt-llm-model", ",".join(self.tensorrt_llm_model), "needs a model name")
 

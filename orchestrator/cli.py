@@ -1,0 +1,353 @@
+"""`trtllm-orch`: up, plan, status, down, restart, reload, logs, render-nginx, install-service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import config as cfg
+from .errors import EXIT_OK, EXIT_RUNTIME, DaemonNotRunning, OrchError, UsageError
+
+log = logging.getLogger("trtllm-orch")
+
+
+# --- argument parsing ------------------------------------------------------------------
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML file holding any of these flags "
+                        "(keys as flag names); flags override it")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(cfg.Settings):
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": meta["help"]}
+        if isinstance(f.default, bool):
+            kwargs["action"] = "store_true"
+        elif meta["repeat"]:
+            kwargs.update(action="append", metavar=meta["metavar"] or "VALUE")
+        else:
+            kwargs["metavar"] = meta["metavar"] or f.name.upper()
+        group.add_argument(cfg.flag(f.name), **kwargs)
+
+
+def _add_state_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", dest="state_dir", default=None, metavar="DIR",
+                        help="the daemon's state directory (default as for `up`)")
+    parser.add_argument("--config", metavar="FILE", help="read state-dir from this config file")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other usage error
+        self.exit(2, f"trtllm-orch: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="trtllm-orch", description="Self-healing, load-balanced "
+                     "TensorRT-LLM/Triton instances on one GPU node.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    up = sub.add_parser("up", help="start instances and the load balancer (foreground daemon)")
+    _add_settings_flags(up)
+    plan = sub.add_parser("plan", help="print the GPU groups, ports and commands; start nothing")
+    _add_settings_flags(plan)
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    status = sub.add_parser("status", help="show the instances of the running daemon")
+    _add_state_dir(status)
+    status.add_argument("--json", action="store_true")
+    down = sub.add_parser("down", help="stop everything; returns once nothing of the run is left")
+    _add_state_dir(down)
+    down.add_argument("--timeout-s", type=float, default=300.0, help="how long to wait for the daemon")
+    restart = sub.add_parser("restart", help="restart one instance (also from FAILED)")
+    _add_state_dir(restart)
+    restart.add_argument("instance_id", metavar="ID")
+    reload = sub.add_parser("reload", help="rolling restart: one instance at a time, re-reading --config")
+    _add_state_dir(reload)
+    logs = sub.add_parser("logs", help="print an instance's log")
+    _add_state_dir(logs)
+    logs.add_argument("instance_id", metavar="ID")
+    logs.add_argument("--rank", type=int, default=None, help="only this rank's lines")
+    logs.add_argument("-f", "--follow", action="store_true")
+    logs.add_argument("--lines", type=int, default=50)
+    render = sub.add_parser("render-nginx", help="print an NGINX config for a system NGINX")
+    _add_settings_flags(render)
+    install = sub.add_parser("install-service", help="write a systemd unit that runs `up --config FILE`")
+    _add_settings_flags(install)
+    install.add_argument("--unit-dir", default="/etc/systemd/system", help="where to write the unit")
+    install.add_argument("--dry-run", action="store_true", help="print the unit instead")
+    return parser
+
+
+def _settings_from(args: argparse.Namespace) -> cfg.Settings:
+    flags = {name: getattr(args, name, None) for name in cfg.FIELDS}
+    return cfg.build_settings(args.config, flags)
+
+
+def _state_dir_of(args: argparse.Namespace):
+    from .statedir import StateDir
+    if args.state_dir:
+        return StateDir(Path(args.state_dir).expanduser().absolute())
+    if args.config:
+        return StateDir(cfg.build_settings(args.config, {}).resolved_state_dir())
+    return StateDir(cfg.default_state_dir())
+
+
+# --- planning (shared by up, plan, render-nginx) ----------------------------------------
+@dataclasses.dataclass
+class Prepared:
+    settings: cfg.Settings
+    plan: Any
+    build_command: Any
+    commands: dict[str, Any]
+    gpus_from_nvml: bool
+
+
+def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
+    from .gpus import inventory, parse_gpu_spec
+    from .launcher.command import build_launch, find_rank_wrapper, find_tritonserver
+    from .launcher.mpi import MpiFlavour, detect_flavour
+    from .plan import make_plan
+
+    gpus = inventory(settings.assume_gpus)
+    ids = parse_gpu_spec(settings.gpus, tuple(g.index for g in gpus))
+    reserved = tuple(cfg.parse_host_port(v, cfg.flag(n))[1]
+                     for n, v in (("listen", settings.listen), ("grpc_listen", settings.grpc_listen),
+                                  ("metrics_listen", settings.metrics_listen))
+                     if v and settings.proxy != "none")
+    plan = make_plan(ids, settings.tp, settings.base_port, settings.bind_address, reserved)
+    if for_launch:
+        if not settings.model_repo:
+            raise UsageError("--model-repo", "", "required: the Triton model repository to serve")
+        if not Path(settings.model_repo).is_dir():
+            raise UsageError("--model-repo", settings.model_repo, "not a directory")
+        mpi = detect_flavour(settings.mpirun)
+        tritonserver = find_tritonserver(settings.tritonserver)
+    else:  # `plan` on a machine without them still shows the commands
+        try:
+            mpi = detect_flavour(settings.mpirun)
+        except OrchError:
+            mpi = MpiFlavour("openmpi", "?", settings.mpirun or "mpirun")
+        try:
+            tritonserver = find_tritonserver(settings.tritonserver)
+        except OrchError:
+            tritonserver = settings.tritonserver or "tritonserver"
+    state_dir = settings.resolved_state_dir()
+    wrapper = find_rank_wrapper()
+    model_repo = str(Path(settings.model_repo).absolute()) if settings.model_repo else "<model-repo>"
+
+    def build_command(inst):
+        return build_launch(inst, mpi=mpi, tritonserver=tritonserver, model_repo=model_repo,
+                            llm_models=settings.tensorrt_llm_model, extra_args=settings.tritonserver_arg,
+                            state_dir=str(state_dir),
+                            group_dir=str(state_dir / "instances" / inst.instance_id),
+                            as_root=os.geteuid() == 0, rank_wrapper=wrapper)
+
+    commands = {inst.instance_id: build_command(inst) for inst in plan.instances}
+    return Prepared(settings, plan, build_command, commands, settings.assume_gpus is None)
+
+
+# --- commands -------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    prepared = prepare(_settings_from(args), for_launch=False)
+    if args.json:
+        out = []
+        for inst in prepared.plan.instances:
+            entry = dataclasses.asdict(inst)
+            cmd = prepared.commands[inst.instance_id]
+            entry.update(argv=list(cmd.argv), env=cmd.env)
+            out.append(entry)
+        print(json.dumps({"instances": out}, indent=2))
+        return EXIT_OK
+    for inst in prepared.plan.instances:
+        p = inst.ports
+        print(f"instance {inst.instance_id}: GPUs {inst.cuda_visible_devices} (TP{inst.tp})  "
+              f"http {inst.bind_address}:{p.http}  grpc {p.grpc}  metrics {p.metrics}")
+        print("  " + prepared.commands[inst.instance_id].shell_text())
+    s = prepared.settings
+    if s.proxy != "none":
+        print(f"load balancer ({s.proxy}): http {s.listen}" + (f", grpc {s.grpc_listen}" if s.grpc_listen else ""))
+    return EXIT_OK
+
+
+def _check_listen_ports(settings: cfg.Settings, plan) -> None:
+    from .launcher.ports import taken_ports
+    for inst in plan.instances:
+        busy = taken_ports(inst.bind_address, inst.ports.all())
+        if busy:
+            raise UsageError("--base-port", settings.base_port,
+                             f"instance {inst.instance_id} port(s) in use: {', '.join(busy)}")
+    if settings.proxy == "none":
+        return
+    for name in ("listen", "grpc_listen", "metrics_listen"):
+        value = getattr(settings, name)
+        if value:
+            host, port = cfg.parse_host_port(value, cfg.flag(name))
+            if port and taken_ports(host, (port,)):
+                raise UsageError(cfg.flag(name), value, "address in use: " + ", ".join(taken_ports(host, (port,))))
+
+
+def setup_logging(level: str) -> None:
+    # Under systemd (JOURNAL_STREAM set) journald adds timestamps itself.
+    fmt = "%(levelname)s %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from .daemon import Daemon
+    from .statedir import StateDir
+
+    settings = _settings_from(args)
+    prepared = prepare(settings, for_launch=True)
+    sd = StateDir(settings.resolved_state_dir())
+    holder = sd.lock_holder()
+    if holder:
+        raise OrchError(f"a daemon (pid {holder}) already runs with state dir {sd.root}; "
+                        "`trtllm-orch down` stops it")
+    _check_listen_ports(settings, prepared.plan)
+    if settings.detach:
+        from .detach import run_detached
+        return run_detached(sys.argv[1:], settings, sd)
+    setup_logging(settings.log_level)
+    gpu_holders = None
+    if prepared.gpus_from_nvml:
+        from .gpus import gpu_holders
+
+    def reload_settings() -> cfg.Settings:
+        new = _settings_from(args) if args.config else settings
+        # Validate the new plan now, so a broken config is rejected before anything restarts.
+        prepare(new, for_launch=True)
+        return new
+
+    daemon = Daemon(settings, prepared.plan, prepared.build_command, sd,
+                    gpu_holders=gpu_holders, reload_settings=reload_settings)
+    try:
+        return asyncio.run(daemon.run())
+    except KeyboardInterrupt:
+        return EXIT_RUNTIME
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .control import call_sync
+    sd = _state_dir_of(args)
+    _, status = call_sync(sd.socket_path, "GET", "/status")
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return EXIT_OK
+    print(format_status(status))
+    return EXIT_OK
+
+
+def format_status(status: dict[str, Any]) -> str:
+    d = status["daemon"]
+    lines = [f"daemon pid {d['pid']}  up {d['uptime_s']:.0f}s  {status['ready']}/{status['total']} ready  "
+             f"proxy {d['proxy']} {d['listen']}" + ("  (stopping)" if d.get("stopping") else "")]
+    lines.append(f"{'ID':<4}{'GPUS':<10}{'STATE':<11}{'HTTP':<7}{'GRPC':<7}{'METRICS':<9}{'UPTIME':<9}"
+                 f"{'RESTARTS':<10}{'INFLIGHT':<10}PIDS")
+    for inst in status["instances"]:
+        up = f"{inst['uptime_s']:.0f}s" if inst.get("uptime_s") is not None else "-"
+        lines.append(f"{inst['id']:<4}{','.join(map(str, inst['gpus'])):<10}{inst['state']:<11}"
+                     f"{inst['ports']['http']:<7}{inst['ports']['grpc']:<7}{inst['ports']['metrics']:<9}"
+                     f"{up:<9}{inst['restarts']:<10}{inst.get('inflight', 0):<10}"
+                     f"{' '.join(map(str, inst['pids']))}")
+        for gpu in inst.get("gpu", []):
+            lines.append(f"      gpu {gpu['index']}: {gpu['memory_used_mib']}/{gpu['memory_total_mib']} MiB, "
+                         f"{gpu['utilization_pct']}% busy")
+        if inst["state"] != "READY" and inst.get("reason"):
+            lines.append(f"      {inst['state'].lower()}: {inst['reason']}")
+        if inst.get("last_failure"):
+            lines.append(f"      last failure: {inst['last_failure']}")
+    return "\n".join(lines)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from .control import call_sync
+    from .launcher.process_tree import OsOps
+    from .reaper import leftover_processes, sweep_leftovers
+    sd = _state_dir_of(args)
+    daemon_pid = sd.lock_holder()
+    if daemon_pid:
+        try:
+            call_sync(sd.socket_path, "POST", "/down")
+        except DaemonNotRunning:
+            pass  # holds the lock but does not answer: wait, then sweep
+        deadline = time.monotonic() + args.timeout_s
+        while sd.lock_holder() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if sd.lock_holder():
+            raise OrchError(f"the daemon (pid {daemon_pid}) did not stop within {args.timeout_s:g}s")
+    left = asyncio.run(sweep_leftovers(sd, OsOps(), 10.0))
+    if left:
+        print(f"stopped {len(left)} process(es) left by a killed daemon: {' '.join(map(str, left))}")
+    remaining = leftover_processes(sd)
+    if remaining:
+        raise OrchError(f"processes still running after down: {[p.pid for p in remaining]}")
+    sd.clear_state()
+    if not daemon_pid and not left:
+        print(f"nothing was running (state dir {sd.root})")
+    else:
+        print("down: everything stopped")
+    return EXIT_OK
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from .control import call_sync
+    code, body = call_sync(_state_dir_of(args).socket_path, "POST", f"/restart/{args.instance_id}")
+    if code >= 400:
+        raise UsageError("ID", args.instance_id, body.get("error", "refused"))
+    print(f"instance {args.instance_id}: restarting")
+    return EXIT_OK
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    from .control import call_sync
+    code, body = call_sync(_state_dir_of(args).socket_path, "POST", "/reload")
+    if code >= 400:
+        raise OrchError(body.get("error", "reload refused"))
+    print("rolling restart started")
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from .logs import show_logs
+    return show_logs(_state_dir_of(args), args.instance_id, args.rank, args.lines, args.follow)
+
+
+def cmd_render_nginx(args: argparse.Namespace) -> int:
+    from .proxy.backends import Backend
+    from .proxy.nginx import render_nginx_config
+    prepared = prepare(_settings_from(args), for_launch=False)
+    backends = tuple(Backend(i.instance_id, i.bind_address, i.ports.http, i.ports.grpc, i.ports.metrics)
+                     for i in prepared.plan.instances)
+    print(render_nginx_config(prepared.settings, backends, None))
+    return EXIT_OK
+
+
+def cmd_install_service(args: argparse.Namespace) -> int:
+    from .service.install import install_service
+    return install_service(args, _settings_from(args))
+
+
+COMMANDS = {"up": cmd_up, "plan": cmd_plan, "status": cmd_status, "down": cmd_down,
+            "restart": cmd_restart, "reload": cmd_reload, "logs": cmd_logs,
+            "render-nginx": cmd_render_nginx, "install-service": cmd_install_service}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except OrchError as exc:
+        print(f"trtllm-orch: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

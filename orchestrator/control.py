@@ -1,0 +1,95 @@
+"""The daemon's control API: JSON over HTTP on a Unix socket private to its owner.
+
+Never TCP (supervisor's lesson): the socket lives in the 0700 state directory
+and is itself 0600, so only the daemon's user can stop or restart instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from .errors import DaemonNotRunning, OrchError
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+
+class ControlServer:
+    def __init__(self, daemon: "Daemon", path: Path):
+        self._daemon = daemon
+        self._path = path
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/status", self._status)
+        app.router.add_post("/down", self._down)
+        app.router.add_post("/restart/{id}", self._restart)
+        app.router.add_post("/reload", self._reload)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self._path.unlink(missing_ok=True)  # a stale socket of a killed daemon (we hold the lock)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
+        try:
+            await web.UnixSite(self._runner, str(self._path)).start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(self._path, 0o600)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._path.unlink(missing_ok=True)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self._daemon.status())
+
+    async def _down(self, request: web.Request) -> web.Response:
+        self._daemon.request_stop("down requested")
+        return web.json_response({"stopping": True}, status=202)
+
+    async def _restart(self, request: web.Request) -> web.Response:
+        inst = self._daemon.instances.get(request.match_info["id"])
+        if inst is None:
+            known = ", ".join(self._daemon.instances)
+            return web.json_response({"error": f"no instance {request.match_info['id']!r} "
+                                               f"(instances: {known})"}, status=404)
+        inst.request_restart()
+        return web.json_response({"restarting": inst.id}, status=202)
+
+    async def _reload(self, request: web.Request) -> web.Response:
+        started = self._daemon.start_rolling_restart("reload requested")
+        if not started:
+            return web.json_response({"error": "a rolling restart is already running, or the "
+                                               "daemon is stopping"}, status=409)
+        return web.json_response({"rolling_restart": True}, status=202)
+
+
+async def call(socket_path: Path, method: str, path: str, timeout_s: float = 10.0) -> tuple[int, Any]:
+    if not socket_path.exists():
+        raise DaemonNotRunning(f"no daemon: {socket_path} does not exist (is `trtllm-orch up` running "
+                               f"with this --state-dir?)")
+    connector = aiohttp.UnixConnector(path=str(socket_path))
+    try:
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.request(method, f"http://daemon{path}") as resp:
+                return resp.status, await resp.json(content_type=None)
+    except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError) as exc:
+        raise DaemonNotRunning(f"no daemon answers on {socket_path}: {exc}") from None
+    except asyncio.TimeoutError:
+        raise OrchError(f"the daemon did not answer {method} {path} within {timeout_s:g}s") from None
+    except json.JSONDecodeError as exc:
+        raise OrchError(f"bad answer from the daemon: {exc}") from None
+
+
+def call_sync(socket_path: Path, method: str, path: str, timeout_s: float = 10.0) -> tuple[int, Any]:
+    return asyncio.run(call(socket_path, method, path, timeout_s))

@@ -1,0 +1,49 @@
+"""`up --detach`: run the daemon in the background, return once the endpoint is ready."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from .config import Settings
+from .control import call_sync
+from .errors import DaemonNotRunning, OrchError
+from .statedir import StateDir
+
+
+def run_detached(argv: list[str], settings: Settings, sd: StateDir) -> int:
+    sd.ensure()
+    args = [a for a in argv if a != "--detach"]
+    log = open(sd.daemon_log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    need = settings.ready_min or None
+    deadline = time.monotonic() + settings.startup_timeout_s + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise OrchError(f"the daemon exited with code {proc.returncode}; its log: {sd.daemon_log_path}\n"
+                            + _tail(sd))
+        try:
+            _, status = call_sync(sd.socket_path, "GET", "/status", timeout_s=5)
+        except DaemonNotRunning:
+            time.sleep(0.2)
+            continue
+        failed = [i for i in status["instances"] if i["state"] == "FAILED"]
+        if failed:
+            inst = failed[0]
+            raise OrchError(f"instance {inst['id']} FAILED: {inst['reason']}\n" + "\n".join(inst["log_tail"])
+                            + f"\n(the daemon, pid {proc.pid}, keeps running: `trtllm-orch down` stops it)")
+        if status["ready"] >= (need or status["total"]):
+            print(f"ready: {status['ready']}/{status['total']} instances behind {status['daemon']['listen']} "
+                  f"(daemon pid {proc.pid}, log {sd.daemon_log_path})")
+            return 0
+        time.sleep(0.2)
+    raise OrchError(f"not ready within {settings.startup_timeout_s + 30:g}s; see {sd.daemon_log_path}")
+
+
+def _tail(sd: StateDir, n: int = 15) -> str:
+    try:
+        return "\n".join(sd.daemon_log_path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""

@@ -1,0 +1,109 @@
+"""Build the one mpirun command (leader mode) that runs an instance's TP group.
+
+Mirrors `launch_triton_server.py`, with what it gets wrong fixed:
+- only rank 0 serves HTTP/gRPC/metrics, on loopback; ranks != 0 bind nothing
+  (`--allow-*=false`), so models whose worker ranks return from init cannot
+  collide on the ports;
+- Python-backend shared-memory prefixes are unique per instance and rank, so two
+  instances on one host never share /dev/shm regions;
+- every rank sees exactly its group's GPUs and carries a tag in its environment
+  so `down` can find it even after it was orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from ..errors import EnvironmentProblem, UsageError
+from ..plan import InstancePlan
+from .mpi import MpiFlavour
+
+DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
+# Environment tags: every process of a run carries them, which is how a sweep
+# finds ranks and stubs that outlived their mpirun (see process_tree.py).
+ENV_STATE_DIR = "TRTLLM_ORCH_STATE_DIR"
+ENV_INSTANCE = "TRTLLM_ORCH_INSTANCE"
+ENV_GROUP_DIR = "TRTLLM_ORCH_GROUP_DIR"
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    argv: tuple[str, ...]
+    env: dict[str, str]  # variables we add to (or override in) the daemon's environment
+
+    def shell_text(self) -> str:
+        import shlex
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return prefix + " " + shlex.join(self.argv)
+
+
+def find_tritonserver(explicit: str) -> str:
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise UsageError("--tritonserver", explicit, "not an executable file")
+        return os.path.abspath(explicit)
+    found = shutil.which("tritonserver")
+    if found:
+        return found
+    if os.access(DEFAULT_TRITONSERVER, os.X_OK):
+        return DEFAULT_TRITONSERVER
+    raise EnvironmentProblem("tritonserver not found on PATH or at /opt/tritonserver/bin: "
+                             "pass --tritonserver PATH (scripts/setup-triton prepares one)")
+
+
+def shm_prefix(instance_id: str, rank: int) -> str:
+    # Unique per instance and rank; the pid-free form keeps it stable across
+    # restarts so a crashed stub's leftovers are reused, not leaked.
+    return f"orch_i{instance_id}_r{rank}_"
+
+
+def rank_args(inst: InstancePlan, rank: int, model_repo: str, llm_models: tuple[str, ...],
+              extra: tuple[str, ...]) -> list[str]:
+    p = inst.ports
+    common = [f"--model-repository={model_repo}", "--disable-auto-complete-config",
+              f"--backend-config=python,shm-region-prefix-name={shm_prefix(inst.instance_id, rank)}",
+              f"--id=instance{inst.instance_id}-rank{rank}"]
+    if rank == 0:
+        addr = inst.bind_address
+        serve = [f"--http-port={p.http}", f"--grpc-port={p.grpc}", f"--metrics-port={p.metrics}",
+                 f"--http-address={addr}", f"--grpc-address={addr}", f"--metrics-address={addr}"]
+        return common + serve + list(extra)
+    worker = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in llm_models),
+              "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"]
+    return common + worker + list(extra)
+
+
+def build_launch(inst: InstancePlan, *, mpi: MpiFlavour, tritonserver: str, model_repo: str,
+                 llm_models: tuple[str, ...], extra_args: tuple[str, ...], state_dir: str,
+                 group_dir: str, as_root: bool, rank_wrapper: tuple[str, ...] = ()) -> LaunchCommand:
+    """The full argv and added environment for one instance.
+
+    `rank_wrapper` (e.g. `setpriv --pdeathsig KILL --`) runs in front of each rank
+    so a rank dies with its launcher instead of living on as an orphan.
+    """
+    env = {
+        "CUDA_VISIBLE_DEVICES": inst.cuda_visible_devices,
+        # NVML numbers GPUs by PCI bus; CUDA by default fastest-first. Make them agree,
+        # so the ids in --gpus mean the same GPU to us, to NVML and to the ranks.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        ENV_STATE_DIR: state_dir,
+        ENV_INSTANCE: inst.instance_id,
+        ENV_GROUP_DIR: group_dir,
+    }
+    argv = [mpi.path, *mpi.global_flags(tuple(env), as_root)]
+    for rank in range(inst.tp):
+        if rank:
+            argv.append(":")
+        argv += ["-n", "1", *rank_wrapper, tritonserver,
+                 *rank_args(inst, rank, model_repo, llm_models, extra_args)]
+    return LaunchCommand(tuple(argv), env)
+
+
+def find_rank_wrapper() -> tuple[str, ...]:
+    """`setpriv --pdeathsig KILL --` when util-linux has it, else nothing."""
+    setpriv = shutil.which("setpriv")
+    if not setpriv:
+        return ()
+    return (setpriv, "--pdeathsig", "KILL", "--")

@@ -1,0 +1,148 @@
+"""Spawn an instance's mpirun and make sure every process of it is gone when stopped.
+
+All OS calls go through `OsOps`, so tests can inject failures (a spawn that
+raises, a kill that is ignored) without monkeypatching the standard library;
+supervisor does the same with its `options` object.
+
+What "every process" means: mpirun, its daemons (prted/orted), the ranks and the
+Python-backend stubs. We find them two ways and take the union: the live process
+tree under mpirun, and any process whose environment carries our tags (the
+rank's tree can be cut when mpirun dies, and then only the tag still links an
+orphan to us).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Iterable
+
+import psutil
+
+from .command import ENV_INSTANCE, ENV_STATE_DIR
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # If the daemon is SIGKILLed, mpirun gets SIGTERM and tears its ranks down,
+    # so nothing of the run is left unsupervised.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class OsOps:
+    """The OS calls the launcher makes. Tests subclass it to inject faults."""
+
+    async def spawn(self, argv: tuple[str, ...], env: dict[str, str], log_fd: int | None,
+                    cwd: str | None = None) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if log_fd is None else log_fd,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # own session and process group: killpg reaches all of it
+            preexec_fn=_die_with_parent)
+
+    def kill(self, pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def killpg(self, pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def tagged_processes(state_dir: str, instance_id: str | None = None) -> list[psutil.Process]:
+    """Processes whose environment says they belong to this state dir (and instance)."""
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get(ENV_STATE_DIR) != state_dir:
+            continue
+        if instance_id is not None and env.get(ENV_INSTANCE) != instance_id:
+            continue
+        if _alive(proc):
+            found.append(proc)
+    return found
+
+
+def process_tree(root_pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(root_pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def same_process(pid: int, create_time: float) -> bool:
+    """True if `pid` is still the process we started (not a recycled pid)."""
+    try:
+        return abs(psutil.Process(pid).create_time() - create_time) < 0.01
+    except psutil.Error:
+        return False
+
+
+async def stop_processes(procs: Iterable[psutil.Process], grace_s: float, ops: OsOps,
+                         first_signal: int = signal.SIGTERM, pgids: Iterable[int] = (),
+                         rescan=None) -> list[int]:
+    """TERM (or `first_signal`), wait up to `grace_s`, KILL what is left; return the pids KILLed.
+
+    `rescan` (optional) returns processes that appeared meanwhile (a rank forked
+    a stub while we were stopping): they are added before the final check.
+    """
+    live = {p.pid: p for p in procs if _alive(p)}
+    for pgid in pgids:
+        ops.killpg(pgid, first_signal)
+    for proc in live.values():
+        ops.kill(proc.pid, first_signal)
+    deadline = time.monotonic() + grace_s
+    killed: list[int] = []
+    while True:
+        if rescan is not None:
+            for p in rescan():
+                live.setdefault(p.pid, p)
+        live = {pid: p for pid, p in live.items() if _alive(p)}
+        if not live:
+            return killed
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.02)
+    for pgid in pgids:
+        ops.killpg(pgid, signal.SIGKILL)
+    for pid in live:
+        ops.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    # SIGKILL cannot be ignored; a process in uninterruptible sleep (a GPU driver
+    # call) may still take a moment, so wait for it rather than declare it gone.
+    hard_deadline = time.monotonic() + 30
+    while time.monotonic() < hard_deadline:
+        if rescan is not None:
+            for p in rescan():
+                if p.pid not in live:
+                    ops.kill(p.pid, signal.SIGKILL)
+                    live[p.pid] = p
+        live = {pid: p for pid, p in live.items() if _alive(p)}
+        if not live:
+            break
+        await asyncio.sleep(0.02)
+    return killed

@@ -1,0 +1,81 @@
+"""Find and stop what a killed daemon left behind.
+
+Design choice for a SIGKILLed daemon: its instances die with it. mpirun gets
+SIGTERM from the kernel (PR_SET_PDEATHSIG, set when we spawn it) and tears its
+ranks down; ranks run under `setpriv --pdeathsig KILL`, so they die with their
+launcher; Python-backend stubs exit when their tritonserver is gone. Whatever
+still survives (a wedged process, a host without setpriv) is found here by the
+next `up` or by `down`: by the pids in state.json, checked against their start
+times so a recycled pid is never killed, and by the environment tag every
+process of the run carries.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import psutil
+
+from .launcher.process_tree import OsOps, same_process, stop_processes, tagged_processes
+from .statedir import StateDir
+
+log = logging.getLogger("trtllm-orch")
+
+
+def leftover_processes(sd: StateDir) -> list[psutil.Process]:
+    procs: dict[int, psutil.Process] = {p.pid: p for p in tagged_processes(str(sd.root))}
+    state = sd.read_state() or {}
+    recorded: list[tuple[int, float | None]] = []
+    for pid in state.get("proxy_pids", []):
+        recorded.append((pid, None))
+    for inst in state.get("instances", {}).values():
+        if inst.get("mpirun_pid"):
+            recorded.append((inst["mpirun_pid"], inst.get("mpirun_create_time")))
+    for pid, created in recorded:
+        if pid in procs or pid == os.getpid():
+            continue
+        try:
+            proc = psutil.Process(pid)
+        except psutil.Error:
+            continue
+        # Without a start time (nginx) we accept only a process that is one of ours by name.
+        if created is not None and same_process(pid, created):
+            procs[pid] = proc
+        elif created is None and _looks_like_nginx(proc, sd):
+            procs[pid] = proc
+    return list(procs.values())
+
+
+def _looks_like_nginx(proc: psutil.Process, sd: StateDir) -> bool:
+    try:
+        return "nginx" in proc.name() and str(sd.root) in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float) -> list[int]:
+    procs = leftover_processes(sd)
+    pids = [p.pid for p in procs]
+    if procs:
+        await stop_processes(procs, grace_s, ops, rescan=lambda: tagged_processes(str(sd.root)))
+    for path in glob.glob("/dev/shm/orch_i*_r*_*"):
+        # Only regions whose owners are gone; our prefixes are unique to this tool.
+        try:
+            if os.stat(path).st_uid == os.geteuid() and not _shm_in_use(path):
+                os.unlink(path)
+        except OSError:
+            pass
+    return pids
+
+
+def _shm_in_use(path: str) -> bool:
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            for m in proc.memory_maps(grouped=True):
+                if m.path == path:
+                    return True
+        except psutil.Error:
+            continue
+    return False
