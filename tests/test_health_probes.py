@@ -253,6 +253,11 @@ async def test_wait_until_ready_cancel_leaves_no_task(fake, session) -> None:
     assert probes() == []
 
 
+async def test_wait_until_ready_rejects_zero_poll(session) -> None:
+    with pytest.raises(ValueError, match="poll_s"):
+        await wait_until_ready(session, "http://127.0.0.1:1", MODEL, 1.0, poll_s=0)
+
+
 # --- run_canary ---------------------------------------------------------------
 
 

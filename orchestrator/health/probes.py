@@ -90,6 +90,8 @@ async def wait_until_ready(session: aiohttp.ClientSession, base_url: str, model:
     instead of after the (possibly 15-minute) startup deadline.
     Returns ok=True with latency_s = time waited, or ok=False with why.
     """
+    if poll_s <= 0:
+        raise ValueError(f"poll_s={poll_s!r}: must be positive (0 would spin the loop)")
     alive = is_alive if is_alive is not None else (lambda: True)
     start = time.monotonic()
     end = start + deadline_s
