@@ -94,7 +94,7 @@ class EmbeddedProxy:
         self._handlers: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._bound_port = 0
-        self._base_urls: dict[Backend, URL] = {}
+        self._metrics_port = 0
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -120,6 +120,7 @@ class EmbeddedProxy:
             if s.metrics_listen:
                 self._metrics_runner = await self._listen(self._handle_metrics, s.metrics_listen,
                                                           "--metrics-listen")
+                self._metrics_port = self._metrics_runner.addresses[0][1]
         except BaseException:
             await self._close_all()
             raise
@@ -186,10 +187,13 @@ class EmbeddedProxy:
     def bound_port(self) -> int:
         return self._bound_port
 
+    @property
+    def metrics_port(self) -> int:
+        """Actual port of the metrics listener (0 when off)."""
+        return self._metrics_port
+
     def _on_backends(self, backends: tuple[Backend, ...]) -> None:
         self.metrics.set_ready(b.instance_id for b in backends)
-        self._base_urls = {b: URL.build(scheme="http", host=b.host, port=b.http_port)
-                           for b in backends}
 
     # --- metrics listener -------------------------------------------------------------
     async def _handle_metrics(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -296,10 +300,9 @@ class EmbeddedProxy:
                 break
             iid = b.instance_id
             tried.append(iid)
-            base = self._base_urls.get(b) or URL.build(scheme="http", host=b.host, port=b.http_port)
-            target = base.with_path(path, encoded=True)
-            if query:
-                target = target.with_query(query)
+            # encoded=True: path and query are sent exactly as classified, no requoting.
+            target = URL.build(scheme="http", host=b.host, port=b.http_port, path=path,
+                               query_string=query, encoded=True)
             balancer.acquire(iid)
             gauge = self.metrics.inflight_child(iid)
             gauge.inc()
