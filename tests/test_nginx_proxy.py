@@ -16,7 +16,7 @@ from aiohttp import web
 from orchestrator.config import Settings
 from orchestrator.errors import EnvironmentProblem, OrchError
 from orchestrator.proxy.backends import Backend, ReadyBackends
-from orchestrator.proxy.nginx import NginxProxy
+from orchestrator.proxy.nginx import NginxProxy, _live_group_members
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx binary not installed")
@@ -247,19 +247,8 @@ async def test_bad_config_on_reload_keeps_the_old_one(upstreams, proxy_factory, 
 
 
 def _group_alive(pgid: int) -> bool:
-    """A live (non-zombie) process in the group. Zombies count as gone: here PID 1 may
-    never reap the workers that a killed master left behind."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+    # Zombies count as gone: here PID 1 may never reap the workers a killed master left.
+    return bool(_live_group_members(pgid))
 
 
 def _zombie_or_gone(pid: int) -> bool:
@@ -275,10 +264,12 @@ async def test_stop_leaves_no_nginx_process(upstreams, tmp_path) -> None:
     ready.publish((upstreams[0].backend,))
     proxy = NginxProxy(make_settings(), ready, tmp_path)
     await proxy.start()
-    master = proxy.pids()[0]
-    workers = [int(p) for p in Path(f"/proc/{master}/task/{master}/children").read_text().split()]
-    assert workers
-    await proxy.stop(grace_s=2.0)
+    try:
+        master = proxy.pids()[0]
+        workers = [int(p) for p in Path(f"/proc/{master}/task/{master}/children").read_text().split()]
+        assert workers
+    finally:
+        await proxy.stop(grace_s=2.0)
     assert proxy.pids() == []
     assert not _group_alive(master)
     assert all(_zombie_or_gone(p) for p in [master, *workers])
@@ -293,10 +284,13 @@ async def test_stop_kills_when_graceful_quit_hangs(upstreams, tmp_path) -> None:
     proxy = NginxProxy(make_settings(), ready, tmp_path)
     await proxy.start()
     master = proxy.pids()[0]
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url(proxy, "/v2/models/m/generate_stream")) as stream:
-            await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 5)
-            await proxy.stop(grace_s=0.5)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url(proxy, "/v2/models/m/generate_stream")) as stream:
+                await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 5)
+                await proxy.stop(grace_s=0.5)
+    finally:
+        await proxy.stop(grace_s=0.5)
     assert not _group_alive(master)
 
 
@@ -306,10 +300,12 @@ async def test_wait_exited_reports_a_dead_master(upstreams, tmp_path) -> None:
     proxy = NginxProxy(make_settings(), ready, tmp_path)
     await proxy.start()
     master = proxy.pids()[0]
-    os.kill(master, signal.SIGKILL)
-    assert await asyncio.wait_for(proxy.wait_exited(), 5) == -signal.SIGKILL
-    assert _group_alive(master)  # its workers are orphans now ...
-    await proxy.stop()
+    try:
+        os.kill(master, signal.SIGKILL)
+        assert await asyncio.wait_for(proxy.wait_exited(), 5) == -signal.SIGKILL
+        assert _group_alive(master)  # its workers are orphans now ...
+    finally:
+        await proxy.stop()
     assert not _group_alive(master)  # ... until stop() kills the group
 
 

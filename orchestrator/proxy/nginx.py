@@ -130,6 +130,21 @@ def _children(pid: int) -> set[int]:
     return out
 
 
+def _live_group_members(pgid: int) -> list[int]:
+    """Non-zombie processes in process group pgid (zombies hold no sockets)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                out.append(int(entry))
+    return out
+
+
 def _shutting_down(pid: int) -> bool:
     # nginx retitles a worker "nginx: worker process is shutting down" when it starts
     # its graceful exit; a worker that is gone has finished it.
@@ -404,4 +419,10 @@ class NginxProxy:
                 pass
         if self._proc is not None and self._proc.returncode is None:
             await self._proc.wait()
+        if self._pgid is not None:
+            # Orphaned workers are not our children: wait until they are really gone so
+            # the port is free when the daemon starts the next nginx.
+            deadline = time.monotonic() + 2.0
+            while _live_group_members(self._pgid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         self._pgid = None
