@@ -298,8 +298,10 @@ class Instance:
                 name = p.name()
             except Exception:
                 name = "process"
-            self._shared.exit_watcher.watch(
+            watching = self._shared.exit_watcher.watch(
                 p.pid, lambda pid, name=name: self.report_trouble(f"{name} (pid {pid}) exited"))
+            if not watching:  # died between the tree scan and the watch
+                self.report_trouble(f"{name} (pid {p.pid}) exited")
         self._on_change(self)
 
     # --- serving ------------------------------------------------------------------------
@@ -321,7 +323,8 @@ class Instance:
                 if not result.ok:
                     return f"{suspect}; canary: {result.reason}"
                 if self.state == State.UNHEALTHY:
-                    self._move(State.READY, "canary passed after ejection")  # UNHEALTHY -> READY
+                    # UNHEALTHY -> READY (the daemon resets the outlier streak on READY)
+                    self._move(State.READY, "canary passed after ejection")
                 continue
             delay = next_probe - time.monotonic()
             if delay > 0:

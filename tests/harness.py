@@ -1,0 +1,178 @@
+"""Run the real `trtllm-orch` CLI against real tritonserver/mpirun, for end-to-end tests and benches.
+
+Every run gets its own state dir and free ports. `Run.close()` stops the daemon
+with `down` and then checks, independently of the code under test, that no
+process tagged with the run's state dir is left; a leftover is killed and
+reported as a test failure rather than leaked into the next test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+TRITON_ENV = REPO / ".triton" / "env"
+DEMO_REPO = REPO / "demo" / "model_repo"
+
+
+def triton_env() -> dict[str, str] | None:
+    """Variables written by scripts/setup-triton, or None when it has not run."""
+    if not TRITON_ENV.exists():
+        return None
+    env = {}
+    for line in TRITON_ENV.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            env[key.strip()] = value.strip().strip('"').strip("'")
+    return env
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports (bind-tested)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65000:
+            continue
+        ok = True
+        for port in range(base, base + n):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+def tagged(state_dir: Path) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("TRTLLM_ORCH_STATE_DIR") == str(state_dir) and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+class Run:
+    def __init__(self, tmp: Path, *, gpus="0-3", tp=2, assume_gpus=4, proxy="embedded", extra=(),
+                 env_extra: dict[str, str] | None = None, model_repo: Path = DEMO_REPO):
+        tenv = triton_env()
+        assert tenv is not None, "run scripts/setup-triton first"
+        self.state_dir = tmp / "state"
+        base = free_port_block(3 * 8 + 3)
+        self.base_port = base
+        self.listen_port, self.grpc_port, self.metrics_port = base + 24, base + 25, base + 26
+        self.env = {**os.environ, "PYTHONPATH": tenv.get("PYTHONPATH", ""),
+                    "LD_LIBRARY_PATH": tenv.get("LD_LIBRARY_PATH", ""),
+                    "PATH": str(Path(tenv["MPIRUN"]).parent) + os.pathsep + os.environ.get("PATH", ""),
+                    "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+        self.args = [
+            "--gpus", gpus, "--tp", str(tp), "--model-repo", str(model_repo),
+            "--tritonserver", tenv["TRITONSERVER"],
+            f"--tritonserver-arg=--backend-directory={tenv['BACKEND_DIR']}",
+            "--mpirun", tenv["MPIRUN"],
+            "--state-dir", str(self.state_dir), "--base-port", str(base), "--proxy", proxy,
+            "--listen", f"127.0.0.1:{self.listen_port}", "--grpc-listen", f"127.0.0.1:{self.grpc_port}",
+            "--metrics-listen", f"127.0.0.1:{self.metrics_port}", "--log-level", "debug", *extra]
+        if assume_gpus is not None:
+            self.args += ["--assume-gpus", str(assume_gpus)]
+        self.log_path = tmp / "daemon.log"
+        self.proc: subprocess.Popen | None = None
+
+    def cli(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+        out = subprocess.run([sys.executable, "-m", "orchestrator", *args], env=self.env, cwd=REPO,
+                             capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"trtllm-orch {' '.join(args)} -> {out.returncode}: {out.stderr}")
+        return out
+
+    def start(self, wait_ready: bool = True, timeout: float = 90) -> "Run":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", *self.args],
+                                     env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def status(self) -> dict:
+        out = self.cli("status", "--state-dir", str(self.state_dir), "--json", check=True)
+        return json.loads(out.stdout)
+
+    def wait_ready(self, timeout: float = 90, count: int | None = None) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.daemon_log()}")
+            out = self.cli("status", "--state-dir", str(self.state_dir), "--json")
+            if out.returncode == 0:
+                last = json.loads(out.stdout)
+                if last["ready"] >= (count if count is not None else last["total"]):
+                    return last
+            time.sleep(0.2)
+        raise AssertionError(f"not ready in {timeout}s: {last}\n{self.daemon_log()}")
+
+    def wait_for(self, predicate, timeout: float = 60, what: str = "condition") -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            out = self.cli("status", "--state-dir", str(self.state_dir), "--json")
+            if out.returncode == 0:
+                last = json.loads(out.stdout)
+                if predicate(last):
+                    return last
+            time.sleep(0.1)
+        raise AssertionError(f"{what} not reached in {timeout}s: {last}\n{self.daemon_log()[-4000:]}")
+
+    def daemon_log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.listen_port}{path}"
+
+    def down(self) -> subprocess.CompletedProcess:
+        out = self.cli("down", "--state-dir", str(self.state_dir), timeout=180)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        return out
+
+    def close(self) -> list[int]:
+        """Stop everything; return pids that had to be killed by the harness (should be [])."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.down()
+        leaked = tagged(self.state_dir)
+        for p in leaked:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if hasattr(self, "_log"):
+            self._log.close()
+        return [p.pid for p in leaked]

@@ -1,0 +1,142 @@
+"""Issue 2 end to end: real mpirun + tritonserver ranks through the public CLI."""
+
+import ipaddress
+import json
+import os
+import signal
+import socket
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.harness import tagged
+
+pytestmark = pytest.mark.e2e
+
+GEN = json.dumps({"text_input": "hello", "max_tokens": 3, "bad_words": "", "stop_words": ""}).encode()
+
+
+def post(url: str, body: bytes = GEN, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def environ(pid: int) -> dict[str, str]:
+    return psutil.Process(pid).environ()
+
+
+def is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip)
+    mapped = getattr(addr, "ipv4_mapped", None)  # gRPC listens on ::ffff:127.0.0.1
+    return (mapped or addr).is_loopback
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_up_two_tp2_instances_then_down_leaves_nothing(orch_run):
+    run = orch_run().start()
+    status = run.status()
+    assert [i["id"] for i in status["instances"]] == ["0", "1"]
+    assert [i["gpus"] for i in status["instances"]] == [[0, 1], [2, 3]]
+
+    daemon = psutil.Process(status["daemon"]["pid"])
+    mpiruns = [c for c in daemon.children() if c.name() in ("mpirun", "prterun", "mpiexec")]
+    assert len(mpiruns) == 2, [c.name() for c in daemon.children()]
+    ranks = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "tritonserver"
+             and p.environ().get("TRTLLM_ORCH_STATE_DIR") == str(run.state_dir)]
+    assert len(ranks) == 4
+    by_instance = {}
+    for rank in ranks:
+        env = environ(rank.pid)
+        by_instance.setdefault(env["TRTLLM_ORCH_INSTANCE"], set()).add(env["CUDA_VISIBLE_DEVICES"])
+    assert by_instance == {"0": {"0,1"}, "1": {"2,3"}}
+
+    all_ports = []
+    for inst in status["instances"]:
+        ports = inst["ports"]
+        all_ports += [ports["http"], ports["grpc"], ports["metrics"]]
+        base = f"http://127.0.0.1:{ports['http']}"
+        assert get_status(base + "/v2/health/ready") == 200
+        code, body = post(base + "/v2/models/ensemble/generate")
+        assert code == 200 and body["text_output"]
+    # Only loopback: no instance port listens anywhere else.
+    listeners = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                 and c.laddr.port in all_ports]
+    assert listeners and all(is_loopback(c.laddr.ip) for c in listeners), listeners
+    # Ranks != 0 bind nothing at all.
+    rank_pids = {p.pid for p in ranks}
+    assert {c.pid for c in listeners} <= rank_pids
+    assert len({c.pid for c in listeners}) == 2
+
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert run.proc.wait(timeout=30) == 0
+    assert tagged(run.state_dir) == []
+    assert not any(psutil.pid_exists(p.pid) and p.status() != psutil.STATUS_ZOMBIE
+                   for p in mpiruns if psutil.pid_exists(p.pid))
+    assert all(port_free(p) for p in all_ports + [run.listen_port, run.grpc_port])
+    assert not (run.state_dir / "state.json").exists()
+
+
+def test_sigkill_daemon_then_down_leaves_no_orphan(orch_run):
+    run = orch_run().start()
+    status = run.status()
+    pids = [p for inst in status["instances"] for p in inst["pids"]]
+    assert len(pids) >= 6
+    os.kill(status["daemon"]["pid"], signal.SIGKILL)
+    run.proc.wait(timeout=10)
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    # Whether the kernel's parent-death signal or `down`'s sweep got them, none may be left.
+    time.sleep(0.2)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert tagged(run.state_dir) == []
+
+
+def test_sigkill_daemon_next_up_reaps_and_serves(orch_run):
+    run = orch_run().start()
+    old = {p for inst in run.status()["instances"] for p in inst["pids"]}
+    os.kill(run.status()["daemon"]["pid"], signal.SIGKILL)
+    run.proc.wait(timeout=10)
+    run.start()  # same state dir, same ports: must sweep the old run first
+    new = {p for inst in run.status()["instances"] for p in inst["pids"]}
+    assert not (old & new)
+    alive_old = [p for p in old if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive_old == []
+
+
+def test_second_up_on_same_state_dir_is_refused(orch_run):
+    run = orch_run().start()
+    out = run.cli("up", *run.args)
+    assert out.returncode != 0
+    assert "already runs" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert run.status()["ready"] == 2
+
+
+def test_status_without_daemon_is_one_line_error(tmp_path):
+    from tests.harness import Run  # noqa: F401
+    import subprocess, sys
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", "--state-dir", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "no daemon" in out.stderr and len(out.stderr.strip().splitlines()) == 1
