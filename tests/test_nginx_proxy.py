@@ -157,9 +157,13 @@ async def test_admin_and_unknown_paths_never_reach_upstream(upstreams, proxy_fac
         for method, path, status in (("GET", "/metrics", 404), ("GET", "/v2/models/m/generate", 405),
                                      ("POST", "/v2/models/m", 405),
                                      ("POST", "/v2/models/m/infer/../../../repository/index", 403),
-                                     ("POST", "/v2/models/m%2Fx/infer", 400)):
+                                     ("POST", "/v2/models/m%2Fx/infer", 400),
+                                     ("POST", "/v2//models/m/infer", 400),
+                                     ("POST", "/v2/models/m/versions/abc/infer", 404)):
             async with session.request(method, url(proxy, path)) as resp:
                 assert resp.status == status, path
+                if status == 405:
+                    assert resp.headers["Allow"] in ("GET", "POST")
         async with session.post(url(proxy, "/v2/models/m/generate"), data=b"x" * (2 * 1024 * 1024)) as resp:
             assert resp.status == 200  # under --max-body-bytes (64 MiB default): body goes to a temp file
     assert all(u.hits == ["/v2/models/m/generate"] or u.hits == [] for u in upstreams)

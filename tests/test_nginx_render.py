@@ -105,7 +105,7 @@ def test_trusted_proxy_keeps_chain() -> None:
 
 def test_stream_location_is_unbuffered() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
-    stream = directives(block(text, "location ~ ^/v2/models/[^/]+(/versions/[^/]+)?/generate_stream$"))
+    stream = directives(block(text, "location ~ ^/v2/models/[^/]+(/versions/[0-9]+)?/generate_stream$"))
     assert "proxy_buffering off;" in stream
     assert "proxy_cache off;" in stream
     assert "chunked_transfer_encoding on;" in stream
@@ -149,7 +149,7 @@ def test_no_backend_renders_503_and_no_upstream() -> None:
     ready = directives(block(text, "location = /v2/health/ready"))
     assert any(ln.startswith("return 503 ") for ln in ready)
     assert any(ln.startswith("add_header Retry-After ") and ln.endswith(" always;") for ln in ready)
-    stream = directives(block(text, "location ~ ^/v2/models/[^/]+(/versions/[^/]+)?/generate_stream$"))
+    stream = directives(block(text, "location ~ ^/v2/models/[^/]+(/versions/[0-9]+)?/generate_stream$"))
     assert any(ln.startswith("return 503 ") for ln in stream)
 
 

@@ -170,6 +170,7 @@ class NginxProxy:
         self._reload_task: asyncio.Task[None] | None = None
         self._reload_wanted = False
         self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         host, port = parse_host_port(settings.listen, "--listen")
         self._listen = (host, port)
         self._grpc_listen = parse_host_port(settings.grpc_listen, "--grpc-listen") if settings.grpc_listen else None
@@ -198,6 +199,7 @@ class NginxProxy:
         return {}  # nginx does not tell us per instance
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         binary = self._binary()
         self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self._dir / "temp").mkdir(exist_ok=True, mode=0o700)
@@ -270,10 +272,10 @@ class NginxProxy:
         # Called synchronously by ReadyBackends.publish. Reloads run one at a time; a
         # change during a reload only marks one more, which then renders the latest set.
         self._reload_wanted = True
-        if self._stopping:
+        if self._stopping or self._loop is None:
             return
         if self._reload_task is None or self._reload_task.done():
-            self._reload_task = asyncio.get_running_loop().create_task(self._reload_loop())
+            self._reload_task = self._loop.create_task(self._reload_loop())
 
     async def _reload_loop(self) -> None:
         while self._reload_wanted and not self._stopping:
