@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from ..config import Settings, parse_host_port
@@ -66,6 +67,21 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None,
     return resp
 
 
+class _QuietProtocolErrors(logging.Filter):
+    """aiohttp logs malformed client input (scanners, TLS on the HTTP port, bad
+    chunking) at ERROR with a traceback. The client already got its 400 and the
+    connection is closed: that is debug information, not an operator's problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, ConnectionError)):
+            if record.levelno > logging.DEBUG:
+                record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+                record.exc_info = None
+                record.msg = f"{record.msg}: {exc!r}"
+        return True
+
+
 class _Retryable(Exception):
     """An attempt failed before any response byte reached the client."""
 
@@ -80,6 +96,11 @@ class EmbeddedProxy:
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.proxy")
+        # aiohttp's server logger: a private child (not registered globally, so no
+        # filter leaks onto a shared logger) that propagates to ours.
+        self._http_log = logging.Logger(self._log.name + ".http")
+        self._http_log.parent = self._log
+        self._http_log.addFilter(_QuietProtocolErrors())
         self._balancer = Balancer(settings.lb_policy)
         self._surface = Surface()
         self._trusted = TrustedPeers(settings.trusted_proxy)
@@ -131,7 +152,7 @@ class EmbeddedProxy:
         host, port = parse_host_port(address, flag)
         server = web.Server(handler, handler_cancellation=True, access_log=None,
                             auto_decompress=False, keepalive_timeout=CLIENT_KEEPALIVE_S,
-                            logger=self._log)
+                            logger=self._http_log)
         runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CANCEL_GRACE_S)
         await runner.setup()
         try:
