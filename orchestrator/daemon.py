@@ -99,7 +99,9 @@ class Daemon:
                 tasks.create_task(self._watchdog_loop(), name="watchdog")
                 await self._stop.wait()
                 log.info("stopping: %s", self._stop_reason)
-                self._notify("STOPPING=1", f"STATUS=stopping: {self._stop_reason}")
+                if self._notifier is not None:
+                    self._notifier.stopping()
+                    self._notifier.status(f"stopping: {self._stop_reason}")
                 # Endpoint first: no new requests reach instances that are about to go.
                 await self._stop_proxies()
                 for inst in self.instances.values():
@@ -250,21 +252,20 @@ class Daemon:
         log.info("rolling restart done")
 
     # --- systemd -------------------------------------------------------------------------
-    def _notify(self, *lines: str) -> None:
-        if self._notifier is not None:
-            self._notifier.send(*lines)
-
     def _report_to_systemd(self) -> None:
-        if self._notifier is None:
+        if self._notifier is None or self._stop.is_set():
             return
         ready, total = self.ready_count(), len(self.instances)
         restarts = sum(i.restarts for i in self.instances.values())
-        lines = [f"STATUS={ready}/{total} instances ready, {restarts} restarts"]
+        text = f"{ready}/{total} instances ready, {restarts} restarts"
         need = self.settings.ready_min or total
+        # READY=1 once: the endpoint is bound (proxies start before instances) and enough
+        # instances answer behind it.
         if not self._announced_ready and ready >= need and self.proxies_ready():
             self._announced_ready = True
-            lines.insert(0, "READY=1")
-        self._notify(*lines)
+            self._notifier.ready(text)
+        else:
+            self._notifier.status(text)
 
     def proxies_ready(self) -> bool:
         return self.settings.proxy == "none" or bool(self.proxies)
@@ -287,7 +288,7 @@ def _make_notifier():
     if not os.environ.get("NOTIFY_SOCKET"):
         return None
     from .service.sdnotify import SystemdNotifier
-    return SystemdNotifier()
+    return SystemdNotifier(logger=log)
 
 
 def _gpu_usage(plan: Plan) -> dict[int, dict[str, Any]]:
