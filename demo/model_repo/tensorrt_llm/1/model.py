@@ -185,8 +185,11 @@ class TritonPythonModel:
                 self.peers.connect_all()
             else:
                 self.server = _PeerServer(os.path.join(group_dir, f"rank{self.rank}.sock"))
+        if int(np.__version__.split(".")[0]) >= 2:
+            _log(f"WARNING numpy {np.__version__}: BYTES tensors mis-decode under NumPy 2 in this "
+                 "Python backend; put numpy<2 first on PYTHONPATH (see scripts/setup-triton)")
         _log(
-            f"instance={self.instance} rank={self.rank}/{self.world_size} "
+            f"numpy={np.__version__} instance={self.instance} rank={self.rank}/{self.world_size} "
             f"token_delay_ms={self.token_delay_s * 1000:g} peers={'yes' if self.world_size > 1 and group_dir else 'no'}"
         )
 
