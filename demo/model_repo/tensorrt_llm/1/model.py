@@ -153,7 +153,12 @@ def _hold_gpu(local_rank):
         if not torch.cuda.is_available():
             _log("CUDA not available: no GPU memory held")
             return None
-        dev = torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            # More ranks than visible GPUs: a misconfigured CUDA_VISIBLE_DEVICES
+            # on a real group; fine for single-GPU smoke tests.
+            _log(f"local rank {local_rank} but only {count} visible GPU(s): using cuda:{local_rank % count}")
+        dev = torch.device("cuda", local_rank % count)
         t = torch.empty(GPU_HOLD_BYTES, dtype=torch.uint8, device=dev)
         _log(f"holding {GPU_HOLD_BYTES >> 20} MiB on {dev} ({torch.cuda.get_device_name(dev)})")
         return t
