@@ -14,6 +14,7 @@ import contextlib
 import glob
 import logging
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ from .states import RESTING_STATES, SERVING_STATES, State, check_transition
 from .statedir import StateDir
 
 log = logging.getLogger("trtllm-orch")
+
+# Grace for the survivors of a group that already failed (see _stop_group).
+FAILED_GROUP_GRACE_S = 1.0
 
 
 @dataclass
@@ -209,7 +213,7 @@ class Instance:
         if self.state == State.READY and failure:
             self._move(State.UNHEALTHY, failure)  # READY -> UNHEALTHY
         self._move(State.STOPPING, reason)  # * -> STOPPING
-        await self._stop_group()
+        await self._stop_group(failed=failure is not None)
         if command == _Command.STOP:
             self._move(State.STOPPED, "stopped")  # STOPPING -> STOPPED
             return "exit"
@@ -379,8 +383,15 @@ class Instance:
         return None
 
     # --- stopping -------------------------------------------------------------------------
-    async def _stop_group(self) -> None:
-        """Every process of the group gone, ports free, GPUs released, shm cleaned."""
+    async def _stop_group(self, failed: bool = False) -> None:
+        """Every process of the group gone, ports free, GPUs released, shm cleaned.
+
+        A clean stop gives every process --stop-grace-s to finish its requests. A failed
+        group has nothing left to drain (a TP job missing a rank cannot answer), so its
+        orphans (a dead rank's Python stubs, often blocked mid-request and deaf to
+        SIGTERM) are SIGKILLed at once and the rest get a short grace: restart overhead
+        is what clients wait for.
+        """
         s = self._shared
         t0 = time.monotonic()
         for pid in self.pids:
@@ -393,7 +404,13 @@ class Instance:
                 procs.setdefault(p.pid, p)
             if self.mpirun.returncode is None:
                 pgids.append(self.mpirun.pid)  # its own session: pgid == pid
-        killed = await stop_processes(procs.values(), self._s.stop_grace_s, s.ops, pgids=pgids,
+        grace = self._s.stop_grace_s
+        if failed:
+            grace = min(grace, FAILED_GROUP_GRACE_S)
+            for pid, proc in list(procs.items()):
+                if _orphaned(proc):
+                    s.ops.kill(pid, signal.SIGKILL)
+        killed = await stop_processes(procs.values(), grace, s.ops, pgids=pgids,
                                       rescan=lambda: tagged_processes(state_dir, self.id))
         t_killed = time.monotonic()
         if killed and self._log:
@@ -439,6 +456,13 @@ class Instance:
             await asyncio.sleep(0.05)
         log.warning("instance=%s resources still held %.0fs after stop (ports %s, GPU pids %s)",
                     self.id, timeout_s, busy, sorted(holders))
+
+
+def _orphaned(proc) -> bool:
+    try:
+        return proc.ppid() == 1
+    except Exception:
+        return False
 
 
 def _canary_body(settings: Settings) -> dict:
