@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterable
@@ -34,17 +36,31 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def _pdeathsig_wrapper() -> tuple[str, ...]:
+    setpriv = shutil.which("setpriv")
+    return (setpriv, "--pdeathsig", "TERM", "--") if setpriv else ()
+
+
 class OsOps:
     """The OS calls the launcher makes. Tests subclass it to inject faults."""
 
     async def spawn(self, argv: tuple[str, ...], env: dict[str, str], log_fd: int | None,
                     cwd: str | None = None) -> asyncio.subprocess.Process:
+        # Parent-death signal through `setpriv` (same pid: it execs argv[0]) rather than a
+        # preexec_fn: a preexec_fn forces fork() + Python code in the child, which runs the
+        # daemon's pthread_atfork handlers; gRPC's (the gRPC proxy) restart its poller
+        # thread in the child, and close_fds then makes it abort the child (SIGABRT,
+        # "epoll_wait error: Bad file descriptor") before mpirun even starts. Without
+        # a preexec_fn CPython uses vfork(), which runs no atfork handlers.
+        wrapper = _pdeathsig_wrapper()
+        if wrapper and shutil.which(argv[0]) is None:  # as exec would fail without the wrapper
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
         return await asyncio.create_subprocess_exec(
-            *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
+            *wrapper, *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE if log_fd is None else log_fd,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # own session and process group: killpg reaches all of it
-            preexec_fn=_die_with_parent)
+            preexec_fn=None if wrapper else _die_with_parent)
 
     def kill(self, pid: int, sig: int) -> None:
         try:
