@@ -1,0 +1,428 @@
+"""The embedded gRPC load balancer: one public port in front of every instance's gRPC port.
+
+Messages are forwarded as raw bytes (no protobuf parsing on the hot path): a generic
+handler looks the method up in Triton's method table, picks a ready instance and
+replays the call on one long-lived channel per instance. Only
+`inference.GRPCInferenceService` is served; every other method is UNIMPLEMENTED, and
+the admin half of Triton's API (load/unload, shared memory, trace, logging, config,
+stats) is PERMISSION_DENIED unless `--allow-admin`.
+
+Retries follow what Envoy and NGINX treat as safe: a unary call is retried on another
+instance when it fails with UNAVAILABLE (for a unary call nothing has reached the client
+yet); a stream is retried only until its first response message reached the client.
+Only transport failures (the channel to the instance is not READY afterwards: refused,
+reset) are reported to the daemon as instance failures; an UNAVAILABLE that Triton
+itself answered (e.g. a model being reloaded) is retried but not blamed on the instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..config import Settings
+from ..errors import OrchError
+from .backends import Backend, ReadyBackends
+
+SERVICE = "inference.GRPCInferenceService"
+
+# Triton's method table. Everything is unary-unary except ModelStreamInfer (bidi).
+PUBLIC_METHODS = frozenset({
+    "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+    "ModelInfer", "ModelStreamInfer",
+})
+ADMIN_METHODS = frozenset({
+    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
+    "TraceSetting", "LogSettings", "ModelConfig", "ModelStatistics",
+})
+STREAMING_METHODS = frozenset({"ModelStreamInfer"})
+
+# Request metadata that belongs to this hop, not to the call: HTTP/2 pseudo headers
+# (':'-prefixed), gRPC's own keys (grpc-timeout is re-derived from the deadline) and
+# the RFC 9110 hop-by-hop set.
+_HOP_BY_HOP = frozenset({
+    "te", "content-type", "user-agent", "connection", "keep-alive", "proxy-connection",
+    "transfer-encoding", "upgrade", "host", "proxy-authorization", "proxy-authenticate", "trailer",
+})
+
+# ServerReadyResponse/ServerLiveResponse are `bool ready|live = 1`: true encodes as
+# field 1 varint 1, false as the empty message (proto3 omits defaults). Encoding them
+# by hand keeps tritonclient/protobuf out of the daemon's dependencies.
+_BOOL_TRUE = b"\x08\x01"
+_BOOL_FALSE = b""
+
+# A server-side deadline further away than this means "no deadline" (gRPC reports an
+# infinite deadline as a huge remaining time).
+_NO_DEADLINE_S = 10 * 365 * 86400.0
+
+NO_READY = "no ready instance"
+
+
+def _forwardable(metadata: Any) -> tuple[tuple[str, Any], ...] | None:
+    if not metadata:
+        return None
+    out = tuple((k, v) for k, v in metadata
+                if k[0] != ":" and not k.startswith("grpc-") and k not in _HOP_BY_HOP)
+    return out or None
+
+
+class _Upstream:
+    """One instance's long-lived channel and its method callables (made once each)."""
+
+    __slots__ = ("backend", "channel", "_callables")
+
+    def __init__(self, backend: Backend, options: list[tuple[str, Any]]) -> None:
+        self.backend = backend
+        self.channel = grpc.aio.insecure_channel(backend.grpc_target, options=options)
+        self._callables: dict[str, Any] = {}
+
+    def callable(self, method: str, streaming: bool) -> Any:
+        mc = self._callables.get(method)
+        if mc is None:
+            # serializer None: the request and response are already bytes.
+            factory = self.channel.stream_stream if streaming else self.channel.unary_unary
+            mc = self._callables[method] = factory(method, request_serializer=None,
+                                                   response_deserializer=None)
+        return mc
+
+    def transport_failed(self) -> bool:
+        # After an UNAVAILABLE, a channel that is no longer READY lost (or never had)
+        # its connection: the request did not get an answer from Triton itself.
+        return self.channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
+
+
+class GrpcProxy:
+    def __init__(self, settings: Settings, backends: ReadyBackends,
+                 logger: logging.Logger | None = None) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._log = logger or logging.getLogger("trtllm_orch.grpc_proxy")
+        self._round_robin = settings.lb_policy == "round-robin"
+        self._rr_next = 0
+        self._max_attempts = settings.max_attempts
+        size = settings.max_body_bytes
+        self._channel_options = [
+            ("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size),
+            # The connect timeout: gRPC waits max(backoff, this) for one connect attempt.
+            ("grpc.min_reconnect_backoff_ms", int(settings.connect_timeout_s * 1000)),
+            # An instance that restarts on the same port must be reachable again within
+            # seconds, not after gRPC's default 120 s backoff cap.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        self._server_options = [
+            ("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size),
+            # gRPC sets SO_REUSEPORT by default: a second daemon on the same port would
+            # then bind "successfully" and steal half the connections.
+            ("grpc.so_reuseport", 0),
+        ]
+        self._upstreams: dict[str, _Upstream] = {}
+        self._inflight: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()  # channel closes; owned here, awaited in stop()
+        self._server: grpc.aio.Server | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self._port = 0
+        self._handlers = self._build_handlers()
+
+    # --- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        address = self._settings.grpc_listen
+        if not address:
+            raise OrchError("--grpc-listen is empty: the gRPC proxy is disabled")
+        server = grpc.aio.server(options=self._server_options)
+        server.add_generic_rpc_handlers((_Handler(self._handlers),))
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:  # grpcio >= 1.51 raises instead of returning 0
+            port = 0
+        if port == 0:
+            raise OrchError(f"--grpc-listen={address!r}: cannot bind (address in use or not local?)")
+        await server.start()
+        self._server, self._port = server, port
+        self._unsubscribe = self._backends.subscribe(self._on_ready_set)
+        self._log.info("grpc proxy listening on %s (port %d, policy %s)", address, port,
+                       self._settings.lb_policy)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._server is not None:
+            # Stops accepting at once; open calls get grace_s, then are cancelled.
+            await self._server.stop(grace_s)
+            self._server = None
+        upstreams, self._upstreams = list(self._upstreams.values()), {}
+        for up in upstreams:
+            await up.channel.close(None)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def bound_port(self) -> int:
+        return self._port
+
+    def inflight(self) -> dict[str, int]:
+        counts = {b.instance_id: 0 for b in self._backends.current()}
+        counts.update((k, v) for k, v in self._inflight.items() if v)
+        return counts
+
+    # --- ready set -----------------------------------------------------------------
+    def _on_ready_set(self, backends: tuple[Backend, ...]) -> None:
+        keep = {b.instance_id: b for b in backends}
+        for iid, up in list(self._upstreams.items()):
+            if keep.get(iid) != up.backend:
+                del self._upstreams[iid]
+                self._retire(up)
+
+    def _retire(self, up: _Upstream) -> None:
+        # Calls already on the channel may finish (a long generation is not cut because
+        # its instance stopped being routable); new calls never see this channel.
+        try:
+            task = asyncio.get_running_loop().create_task(
+                up.channel.close(self._settings.idle_timeout_s))
+        except RuntimeError:  # published from outside the loop: nothing to wait for
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _upstream(self, backend: Backend) -> _Upstream:
+        up = self._upstreams.get(backend.instance_id)
+        if up is None or up.backend != backend:
+            if up is not None:
+                self._retire(up)
+            up = self._upstreams[backend.instance_id] = _Upstream(backend, self._channel_options)
+        return up
+
+    def _pick(self, tried: set[str] | None) -> Backend | None:
+        ready = self._backends.current()
+        if tried:
+            ready = tuple(b for b in ready if b.instance_id not in tried)
+        if not ready:
+            return None
+        if len(ready) == 1:
+            return ready[0]
+        if self._round_robin:
+            self._rr_next += 1
+            return ready[self._rr_next % len(ready)]
+        inflight = self._inflight
+        best: list[Backend] = []
+        low = None
+        for b in ready:
+            n = inflight.get(b.instance_id, 0)
+            if low is None or n < low:
+                low, best = n, [b]
+            elif n == low:
+                best.append(b)
+        return best[0] if len(best) == 1 else random.choice(best)
+
+    def _on_unavailable(self, up: _Upstream, err: grpc.aio.AioRpcError) -> None:
+        if up.transport_failed():
+            self._log.warning("instance %s (%s) unreachable: %s", up.backend.instance_id,
+                              up.backend.grpc_target, err.details())
+            self._backends.report_failure(up.backend.instance_id, f"grpc: {err.details()}")
+
+    def _timeout(self, context: grpc.aio.ServicerContext) -> tuple[float, bool]:
+        """Upstream timeout, and whether it is ours (the client gave no deadline)."""
+        remaining = context.time_remaining()
+        if remaining is None or remaining > _NO_DEADLINE_S:
+            # No client deadline: bound the call anyway, so a hung instance cannot hold
+            # a unary call forever.
+            return self._settings.idle_timeout_s, True
+        return remaining, False
+
+    # --- handlers --------------------------------------------------------------------
+    def _build_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for name in PUBLIC_METHODS | ADMIN_METHODS:
+            method = f"/{SERVICE}/{name}"
+            if name in ADMIN_METHODS and not self._settings.allow_admin:
+                handlers[method] = grpc.unary_unary_rpc_method_handler(_deny_admin)
+            elif name in STREAMING_METHODS:
+                handlers[method] = grpc.stream_stream_rpc_method_handler(self._make_stream(method))
+            else:
+                handlers[method] = grpc.unary_unary_rpc_method_handler(self._make_unary(method, name))
+        return handlers
+
+    def _make_unary(self, method: str, name: str):
+        local_answer = {"ServerReady": _BOOL_FALSE, "ServerLive": _BOOL_TRUE}.get(name)
+
+        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            metadata = _forwardable(context.invocation_metadata())
+            tried: set[str] | None = None
+            last: grpc.aio.AioRpcError | None = None
+            for _ in range(self._max_attempts):
+                backend = self._pick(tried)
+                if backend is None:
+                    break
+                iid = backend.instance_id
+                up = self._upstream(backend)
+                timeout, ours = self._timeout(context)
+                self._inflight[iid] = self._inflight.get(iid, 0) + 1
+                try:
+                    # Awaiting the call cancels it upstream if this handler is cancelled
+                    # (the client went away or its deadline passed).
+                    response = await up.callable(method, False)(request, metadata=metadata,
+                                                                 timeout=timeout)
+                except grpc.aio.AioRpcError as err:
+                    code = err.code()
+                    if code is grpc.StatusCode.UNAVAILABLE:
+                        self._on_unavailable(up, err)
+                        last = err
+                        tried = tried or set()
+                        tried.add(iid)
+                        continue
+                    if code is grpc.StatusCode.DEADLINE_EXCEEDED and ours:
+                        self._backends.report_failure(iid, f"grpc: no answer within {timeout:g} s")
+                    await context.abort(code, err.details() or "",
+                                        _forwardable(err.trailing_metadata()) or ())
+                finally:
+                    self._inflight[iid] -= 1
+                self._backends.report_success(iid)
+                return response
+            # Nothing answered. The proxy itself is alive; it is "not ready" when no
+            # instance is, which is an answer, not an error, for ServerReady.
+            if local_answer is not None:
+                return local_answer
+            if last is not None:
+                await context.abort(last.code(), last.details() or "",
+                                    _forwardable(last.trailing_metadata()) or ())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_READY)
+
+        return unary
+
+    def _make_stream(self, method: str):
+        async def stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            metadata = _forwardable(context.invocation_metadata())
+            inbox = _Inbox(requests)
+            try:
+                await self._stream_attempts(method, metadata, inbox, context)
+            finally:
+                inbox.close()
+
+        return stream
+
+    async def _stream_attempts(self, method: str, metadata: Any, inbox: "_Inbox",
+                               context: grpc.aio.ServicerContext) -> None:
+        tried: set[str] | None = None
+        last: grpc.aio.AioRpcError | None = None
+        for _ in range(self._max_attempts):
+            backend = self._pick(tried)
+            if backend is None:
+                break
+            iid = backend.instance_id
+            up = self._upstream(backend)
+            remaining = context.time_remaining()
+            timeout = None if remaining is None or remaining > _NO_DEADLINE_S else remaining
+            # No proxy-imposed timeout on streams: Triton clients keep one stream open
+            # and idle between requests for as long as they like.
+            call = up.callable(method, True)(metadata=metadata, timeout=timeout)
+            pump = asyncio.create_task(inbox.pump(call))
+            self._inflight[iid] = self._inflight.get(iid, 0) + 1
+            try:
+                while True:
+                    response = await call.read()
+                    if response is grpc.aio.EOF:
+                        break
+                    if not inbox.committed:
+                        inbox.commit()
+                        self._backends.report_success(iid)
+                    await context.write(response)
+                return
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    self._on_unavailable(up, err)
+                    if not inbox.committed:
+                        last = err
+                        tried = tried or set()
+                        tried.add(iid)
+                        continue
+                await context.abort(code, err.details() or "",
+                                    _forwardable(err.trailing_metadata()) or ())
+            finally:
+                self._inflight[iid] -= 1
+                pump.cancel()
+                call.cancel()  # no-op when finished; stops the upstream when the client left
+        if last is not None:
+            await context.abort(last.code(), last.details() or "",
+                                _forwardable(last.trailing_metadata()) or ())
+        await context.abort(grpc.StatusCode.UNAVAILABLE, NO_READY)
+
+
+class _Inbox:
+    """The client's side of a stream, readable by successive upstream attempts.
+
+    One task reads the client for the whole call (cancelling a read of gRPC's request
+    iterator would end it), and every request is kept until the first response reached
+    the client, so a retry can replay them; after that nothing is kept.
+    """
+
+    __slots__ = ("_queue", "_reader", "_replay", "_client_done", "committed")
+
+    _DONE = object()
+
+    def __init__(self, requests: AsyncIterator[bytes]) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._replay: list[bytes] = []
+        self._client_done = False
+        self.committed = False
+        self._reader = asyncio.create_task(self._read(requests))
+
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        try:
+            async for message in requests:
+                self._queue.put_nowait(message)
+        finally:
+            self._queue.put_nowait(self._DONE)
+
+    def commit(self) -> None:
+        self.committed = True
+        self._replay = []
+
+    async def pump(self, call: Any) -> None:
+        try:
+            for message in list(self._replay):
+                await call.write(message)
+            while not self._client_done:
+                message = await self._queue.get()
+                if message is self._DONE:
+                    self._client_done = True
+                    break
+                if not self.committed:
+                    self._replay.append(message)  # before the write: a failed write is replayed
+                await call.write(message)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the call ended; its status reaches the client through the read side
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
+class _Handler(grpc.GenericRpcHandler):
+    __slots__ = ("_handlers",)
+
+    def __init__(self, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._handlers = handlers
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        # None: gRPC answers UNIMPLEMENTED (unknown service or method).
+        return self._handlers.get(handler_call_details.method)
+
+
+async def _deny_admin(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                        "admin API disabled on the load balancer (see --allow-admin)")
+    return b""

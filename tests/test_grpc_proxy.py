@@ -1,0 +1,541 @@
+"""End-to-end tests of the embedded gRPC load balancer against two real tritonservers.
+
+The servers (pytriton's tritonserver binary, Python backend) start once per session
+on loopback and serve a tiny repository made here: `echo` (unary, optional delay)
+and `countdown` (decoupled, streams N responses). Each test gets its own proxy and
+ready set; per-instance traffic is checked with ModelStatistics asked of each server
+DIRECTLY, never through the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import numpy as np
+import pytest
+
+from orchestrator.config import Settings
+from orchestrator.errors import OrchError
+from orchestrator.proxy.backends import Backend, ReadyBackends
+from orchestrator.proxy.grpc_proxy import GrpcProxy
+
+tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+import tritonclient.grpc.aio as grpcclient_aio  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+try:
+    import pytriton
+    PYTRITON = Path(pytriton.__file__).parent / "tritonserver"
+except ImportError:  # pragma: no cover
+    PYTRITON = None
+
+pytestmark = pytest.mark.e2e
+
+ECHO_CONFIG = """
+name: "echo"
+backend: "python"
+max_batch_size: 0
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "DELAY_MS" data_type: TYPE_INT32 dims: [ 1 ] optional: true }
+]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+
+# The stub embeds Python with the environment ignored (PYTHONPATH is in os.environ
+# but not on sys.path), so the models put it there before importing numpy.
+SYS_PATH_FIX = """
+import os, sys
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+"""
+
+ECHO_MODEL = SYS_PATH_FIX + """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            delay = pb_utils.get_input_tensor_by_name(request, "DELAY_MS")
+            if delay is not None:
+                time.sleep(int(delay.as_numpy()[0]) / 1000.0)
+            data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", data)]))
+        return responses
+"""
+
+COUNTDOWN_CONFIG = """
+name: "countdown"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+COUNTDOWN_MODEL = SYS_PATH_FIX + """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(n):
+                out = pb_utils.Tensor("OUT", np.array([i], dtype=np.int32))
+                sender.send(pb_utils.InferenceResponse([out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_repo(root: Path) -> tuple[Path, Path]:
+    repo = root / "models"
+    for name, config, model in (("echo", ECHO_CONFIG, ECHO_MODEL),
+                                ("countdown", COUNTDOWN_CONFIG, COUNTDOWN_MODEL)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(config)
+        (repo / name / "1" / "model.py").write_text(model)
+    backends = root / "backends"
+    (backends / "python").mkdir(parents=True)
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for src in (PYTRITON / "python_backend_stubs" / py / "triton_python_backend_stub",
+                PYTRITON / "backends" / "python" / "libtriton_python.so",
+                PYTRITON / "backends" / "python" / "triton_python_backend_utils.py"):
+        shutil.copy2(src, backends / "python" / src.name)
+    return repo, backends
+
+
+class Triton:
+    """One tritonserver process in its own process group (killed as a group)."""
+
+    def __init__(self, name: str, repo: Path, backends: Path, log: Path) -> None:
+        self.name = name
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        env = dict(os.environ)
+        site = str(Path(np.__file__).parent.parent)
+        env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
+        # The copied stub finds its bundled libraries through an $ORIGIN-relative
+        # RPATH that no longer points anywhere.
+        libs = str(PYTRITON.parent.parent / "nvidia_pytriton.libs")
+        env["LD_LIBRARY_PATH"] = libs + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+        self.log = log
+        self.proc = subprocess.Popen(
+            [str(PYTRITON / "bin" / "tritonserver"), f"--model-repository={repo}",
+             f"--backend-directory={backends}", "--model-control-mode=explicit", "--load-model=*",
+             "--http-address=127.0.0.1", f"--http-port={self.http}",
+             "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc}",
+             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics}",
+             # Distinct shm prefixes: two servers on one host must not share regions.
+             f"--backend-config=python,shm-region-prefix-name={name}_{os.getpid()}_",
+             "--log-verbose=0"],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            # If pytest itself is killed, teardown never runs: let the kernel kill the
+            # server with us (its Python stubs exit when it does).
+            preexec_fn=_die_with_parent)
+        self.backend = Backend(name, "127.0.0.1", self.http, self.grpc, self.metrics)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        client = tritonclient_grpc.InferenceServerClient(self.target)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"tritonserver {self.name} exited {self.proc.returncode}:\n"
+                                       + self.log.read_text()[-3000:])
+                try:
+                    if (client.is_server_ready() and client.is_model_ready("echo")
+                            and client.is_model_ready("countdown")):
+                        return
+                except InferenceServerException:
+                    pass
+                time.sleep(0.2)
+            raise RuntimeError(f"tritonserver {self.name} not ready:\n" + self.log.read_text()[-3000:])
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its Python stubs
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+    def success_count(self, model: str) -> int:
+        client = tritonclient_grpc.InferenceServerClient(self.target)
+        try:
+            stats = client.get_inference_statistics(model_name=model)
+            return sum(s.inference_stats.success.count for s in stats.model_stats)
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="session")
+def tritons(tmp_path_factory):
+    if PYTRITON is None or not (PYTRITON / "bin" / "tritonserver").exists():
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    root = tmp_path_factory.mktemp("triton")
+    repo, backends = make_repo(root)
+    servers: list[Triton] = []
+    try:
+        for name in ("0", "1"):
+            servers.append(Triton(name, repo, backends, root / f"triton{name}.log"))
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def settings(**changes) -> Settings:
+    return Settings(grpc_listen="127.0.0.1:0", **changes)
+
+
+class Sinks:
+    def __init__(self, ready: ReadyBackends) -> None:
+        self.failures: list[tuple[str, str]] = []
+        self.successes: list[str] = []
+        ready.set_health_sinks(lambda i, why: self.failures.append((i, why)), self.successes.append)
+
+
+@pytest.fixture
+async def proxy_factory():
+    made: list[GrpcProxy] = []
+
+    async def make(backends: tuple[Backend, ...], **changes) -> tuple[GrpcProxy, ReadyBackends]:
+        ready = ReadyBackends()
+        ready.publish(backends)
+        proxy = GrpcProxy(settings(**changes), ready)
+        await proxy.start()
+        made.append(proxy)
+        return proxy, ready
+
+    yield make
+    for p in made:
+        await p.stop(0.5)
+
+
+def client_for(proxy: GrpcProxy) -> grpcclient_aio.InferenceServerClient:
+    return grpcclient_aio.InferenceServerClient(f"127.0.0.1:{proxy.bound_port}")
+
+
+def echo_inputs(values, delay_ms: int | None = None):
+    data = np.asarray(values, dtype=np.float32)
+    x = grpcclient_aio.InferInput("INPUT0", list(data.shape), "FP32")
+    x.set_data_from_numpy(data)
+    inputs = [x]
+    if delay_ms is not None:
+        d = grpcclient_aio.InferInput("DELAY_MS", [1], "INT32")
+        d.set_data_from_numpy(np.array([delay_ms], dtype=np.int32))
+        inputs.append(d)
+    return inputs
+
+
+def countdown_request(request_id: str, n: int) -> dict:
+    x = grpcclient_aio.InferInput("N", [1], "INT32")
+    x.set_data_from_numpy(np.array([n], dtype=np.int32))
+    return {"model_name": "countdown", "inputs": [x], "request_id": request_id}
+
+
+def dead_backend() -> Backend:
+    # A port nobody listens on: connection refused.
+    return Backend("9", "127.0.0.1", free_port(), free_port(), free_port())
+
+
+# --- tests ------------------------------------------------------------------------
+
+async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
+    a, b = tritons
+    proxy, ready = await proxy_factory((a.backend, b.backend))
+    sinks = Sinks(ready)
+    before = [t.success_count("echo") for t in tritons]
+    client = client_for(proxy)
+    try:
+        # Concurrent calls: least-outstanding must use both instances.
+        results = await asyncio.gather(*(client.infer("echo", echo_inputs([i, i + 0.5]))
+                                         for i in range(40)))
+    finally:
+        await client.close()
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.array([i, i + 0.5], np.float32))
+    gained = [t.success_count("echo") - n for t, n in zip(tritons, before)]
+    assert sum(gained) == 40
+    assert min(gained) >= 5, gained
+    assert proxy.inflight() == {"0": 0, "1": 0}
+    assert not sinks.failures and len(sinks.successes) == 40
+
+
+async def test_round_robin_alternates(tritons, proxy_factory):
+    proxy, _ = await proxy_factory(tuple(t.backend for t in tritons), lb_policy="round-robin")
+    before = [t.success_count("echo") for t in tritons]
+    client = client_for(proxy)
+    try:
+        for i in range(10):  # sequential: least-outstanding would see only ties here
+            await client.infer("echo", echo_inputs([i]))
+    finally:
+        await client.close()
+    assert [t.success_count("echo") - n for t, n in zip(tritons, before)] == [5, 5]
+
+
+async def test_stream_infer_receives_every_response(tritons, proxy_factory):
+    proxy, _ = await proxy_factory(tuple(t.backend for t in tritons))
+    client = client_for(proxy)
+    counts = {"a": 7, "b": 3, "c": 12}
+    received: dict[str, list[int]] = {k: [] for k in counts}
+    all_done = asyncio.Event()
+
+    async def requests():
+        for rid, n in counts.items():
+            yield countdown_request(rid, n)
+        await all_done.wait()  # keep the stream open until every response arrived
+
+    try:
+        # The aio client ignores enable_empty_final_response: count responses instead.
+        async with asyncio.timeout(30):
+            async for result, error in client.stream_infer(requests()):
+                assert error is None, error
+                received[result.get_response().id].append(int(result.as_numpy("OUT")[0]))
+                if sum(map(len, received.values())) == sum(counts.values()):
+                    all_done.set()
+    finally:
+        await client.close()
+    assert received == {k: list(range(n)) for k, n in counts.items()}
+    assert sum(proxy.inflight().values()) == 0
+
+
+async def test_admin_rpc_refused_and_model_stays_loaded(tritons, proxy_factory):
+    proxy, _ = await proxy_factory(tuple(t.backend for t in tritons))
+    client = client_for(proxy)
+    try:
+        for call in (client.unload_model("echo"), client.get_model_repository_index(),
+                     client.get_inference_statistics("echo"), client.get_model_config("echo")):
+            with pytest.raises(InferenceServerException) as exc:
+                await call
+            assert exc.value.status() == "StatusCode.PERMISSION_DENIED"
+        assert await client.is_model_ready("echo")
+    finally:
+        await client.close()
+    for t in tritons:
+        direct = tritonclient_grpc.InferenceServerClient(t.target)
+        try:
+            assert direct.is_model_ready("echo")
+        finally:
+            direct.close()
+
+
+async def test_admin_rpc_allowed_with_allow_admin(tritons, proxy_factory):
+    proxy, _ = await proxy_factory((tritons[0].backend,), allow_admin=True)
+    client = client_for(proxy)
+    try:
+        stats = await client.get_inference_statistics("echo")
+        assert stats.model_stats[0].name == "echo"
+    finally:
+        await client.close()
+
+
+async def test_unknown_method_unimplemented(tritons, proxy_factory):
+    proxy, _ = await proxy_factory(tuple(t.backend for t in tritons))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        for method in ("/inference.GRPCInferenceService/NoSuchMethod", "/other.Service/ServerLive"):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await ch.unary_unary(method)(b"")
+            assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_no_ready_backend(proxy_factory):
+    proxy, _ = await proxy_factory(())
+    client = client_for(proxy)
+    try:
+        with pytest.raises(InferenceServerException) as exc:
+            await client.infer("echo", echo_inputs([1.0]))
+        assert exc.value.status() == "StatusCode.UNAVAILABLE"
+        assert "no ready instance" in exc.value.message()
+        with pytest.raises(InferenceServerException) as exc:
+            await client.get_server_metadata()
+        assert exc.value.status() == "StatusCode.UNAVAILABLE"
+        # The proxy answers these itself: it is alive, and honestly not ready.
+        assert await client.is_server_ready() is False
+        assert await client.is_server_live() is True
+    finally:
+        await client.close()
+
+
+async def test_backend_removed_from_ready_set(tritons, proxy_factory):
+    a, b = tritons
+    proxy, ready = await proxy_factory((a.backend, b.backend))
+    client = client_for(proxy)
+    try:
+        await asyncio.gather(*(client.infer("echo", echo_inputs([1.0])) for _ in range(4)))
+        ready.publish((b.backend,))
+        before = [t.success_count("echo") for t in tritons]
+        await asyncio.gather(*(client.infer("echo", echo_inputs([2.0])) for _ in range(20)))
+        assert [t.success_count("echo") - n for t, n in zip(tritons, before)] == [0, 20]
+        assert set(proxy.inflight()) == {"1"}
+        ready.publish(())
+        with pytest.raises(InferenceServerException) as exc:
+            await client.infer("echo", echo_inputs([3.0]))
+        assert exc.value.status() == "StatusCode.UNAVAILABLE"
+        ready.publish((a.backend,))  # back: a fresh channel is made on demand
+        await client.infer("echo", echo_inputs([4.0]))
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("policy", ["least-outstanding", "round-robin"])
+async def test_retry_when_ready_backend_is_down(tritons, proxy_factory, policy):
+    dead = dead_backend()
+    proxy, ready = await proxy_factory((dead, tritons[1].backend), lb_policy=policy)
+    sinks = Sinks(ready)
+    client = client_for(proxy)
+    try:
+        for i in range(8):
+            r = await client.infer("echo", echo_inputs([float(i)]))
+            assert r.as_numpy("OUTPUT0")[0] == i
+        assert await client.is_server_ready() is True
+        assert await client.get_server_metadata()
+    finally:
+        await client.close()
+    assert sinks.failures and {i for i, _ in sinks.failures} == {"9"}
+    assert "9" not in sinks.successes
+
+
+async def test_stream_retried_before_first_response(tritons, proxy_factory):
+    proxy, ready = await proxy_factory((dead_backend(), tritons[0].backend), lb_policy="round-robin")
+    sinks = Sinks(ready)
+    for _ in range(2):  # round robin: one of the two streams starts on the dead instance
+        client = client_for(proxy)
+        done = asyncio.Event()
+
+        async def requests():
+            yield countdown_request("r", 4)
+            await done.wait()
+
+        got = []
+        try:
+            async with asyncio.timeout(30):
+                async for result, error in client.stream_infer(requests()):
+                    assert error is None, error
+                    got.append(int(result.as_numpy("OUT")[0]))
+                    if len(got) == 4:
+                        done.set()
+        finally:
+            await client.close()
+        assert got == [0, 1, 2, 3]
+    assert {i for i, _ in sinks.failures} == {"9"}
+
+
+async def test_all_backends_down_returns_upstream_unavailable(proxy_factory):
+    proxy, ready = await proxy_factory((dead_backend(),), max_attempts=2)
+    sinks = Sinks(ready)
+    client = client_for(proxy)
+    try:
+        with pytest.raises(InferenceServerException) as exc:
+            await client.infer("echo", echo_inputs([1.0]))
+        assert exc.value.status() == "StatusCode.UNAVAILABLE"
+        assert await client.is_server_ready() is False
+    finally:
+        await client.close()
+    assert sinks.failures
+
+
+async def test_upstream_error_passed_through_unchanged(tritons, proxy_factory):
+    proxy, _ = await proxy_factory((tritons[0].backend,))
+    bad = grpcclient_aio.InferInput("INPUT0", [2], "INT32")  # the model wants FP32
+    bad.set_data_from_numpy(np.array([1, 2], dtype=np.int32))
+    direct = grpcclient_aio.InferenceServerClient(tritons[0].target)
+    client = client_for(proxy)
+    try:
+        with pytest.raises(InferenceServerException) as want:
+            await direct.infer("echo", [bad])
+        with pytest.raises(InferenceServerException) as got:
+            await client.infer("echo", [bad])
+    finally:
+        await client.close()
+        await direct.close()
+    assert got.value.status() == want.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert got.value.message() == want.value.message()
+
+
+async def test_deadline_and_cancellation_reach_upstream(tritons, proxy_factory):
+    proxy, _ = await proxy_factory((tritons[0].backend,))
+    client = client_for(proxy)
+    try:
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as exc:
+            await client.infer("echo", echo_inputs([1.0], delay_ms=3000), client_timeout=0.3)
+        assert exc.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert time.monotonic() - started < 2.0
+        # The client's cancel must release the upstream call, not leave it counted.
+        for _ in range(50):
+            if proxy.inflight()["0"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert proxy.inflight()["0"] == 0
+
+        task = asyncio.ensure_future(client.infer("echo", echo_inputs([1.0], delay_ms=3000)))
+        for _ in range(100):
+            if proxy.inflight()["0"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert proxy.inflight()["0"] == 1
+        task.cancel()
+        with pytest.raises((asyncio.CancelledError, InferenceServerException)):
+            await task
+        for _ in range(100):
+            if proxy.inflight()["0"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert proxy.inflight()["0"] == 0
+    finally:
+        await client.close()
+
+
+async def test_metadata_forwarded(tritons, proxy_factory):
+    proxy, _ = await proxy_factory((tritons[0].backend,))
+    client = client_for(proxy)
+    try:
+        md = await client.get_model_metadata("echo", headers={"x-request-tag": "abc"})
+        assert md.name == "echo"
+    finally:
+        await client.close()
+
+
+async def test_bind_failure_names_the_address(proxy_factory):
+    proxy, _ = await proxy_factory(())
+    taken = f"127.0.0.1:{proxy.bound_port}"
+    other = GrpcProxy(Settings(grpc_listen=taken), ReadyBackends())
+    with pytest.raises(OrchError, match=taken):
+        await other.start()
