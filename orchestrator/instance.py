@@ -29,7 +29,7 @@ from .health.probes import probe_instance, wait_until_ready
 from .health.restart_policy import RestartPolicy
 from .launcher.command import LaunchCommand, shm_prefix
 from .launcher.logfile import RotatingLog, pump
-from .launcher.ports import taken_ports
+from .launcher.ports import listening_pids, taken_ports
 from .launcher.process_tree import OsOps, process_tree, stop_processes, tagged_processes
 from .plan import InstancePlan
 from .proxy.backends import Backend
@@ -414,7 +414,7 @@ class Instance:
                                       rescan=lambda: tagged_processes(state_dir, self.id))
         t_killed = time.monotonic()
         if killed and self._log:
-            self._log.note(f"SIGKILLed after {self._s.stop_grace_s:g}s grace: {killed}")
+            self._log.note(f"SIGKILLed after {grace:g}s grace: {killed}")  # the grace applied
         if self.mpirun is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.mpirun.wait(), 5)
@@ -428,7 +428,7 @@ class Instance:
                 task.cancel()
         self._exit_wait = self._pump = None
         t_reaped = time.monotonic()
-        stopped_pids = set(self.pids)
+        stopped_pids = set(self.pids) | set(procs)  # before READY, self.pids is only mpirun
         self.mpirun, self.pids, self.ready_at = None, [], None
         self._clean_shm()
         await self._wait_released(stopped_pids)
@@ -453,6 +453,12 @@ class Instance:
                 holders = self._shared.gpu_holders(self.plan.gpus) & pids
             if not busy and not holders:
                 return
+            if busy and not holders:
+                owners = listening_pids(self.plan.ports.all())
+                if owners is not None and not owners & pids:
+                    # Another program holds the port: waiting cannot free it, and the next
+                    # start reports who holds it (BACKOFF) instead of stalling here for 10 s.
+                    return
             await asyncio.sleep(0.05)
         log.warning("instance=%s resources still held %.0fs after stop (ports %s, GPU pids %s)",
                     self.id, timeout_s, busy, sorted(holders))

@@ -46,3 +46,18 @@ def taken_ports(host: str, ports: tuple[int, ...]) -> list[str]:
             holder = port_holder(port)
             out.append(f"{port} (held by {holder})" if holder else str(port))
     return out
+
+
+def listening_pids(ports: tuple[int, ...]) -> set[int] | None:
+    """Pids listening on any of `ports`, or None when the kernel will not say (another user's socket)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, PermissionError):
+        return None
+    pids = set()
+    for conn in conns:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port in ports:
+            if not conn.pid:
+                return None
+            pids.add(conn.pid)
+    return pids
