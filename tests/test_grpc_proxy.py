@@ -202,6 +202,19 @@ class Triton:
             client.close()
 
 
+def echo_counts(servers: list[Triton]) -> list[int]:
+    """Per-server echo successes, once they stop moving (Triton counts a request
+    after its response went out, so a read right after a call can lag by one)."""
+    last = None
+    for _ in range(50):
+        now = [s.success_count("echo") for s in servers]
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.05)
+    return last
+
+
 @pytest.fixture(scope="session")
 def tritons(tmp_path_factory):
     if PYTRITON is None or not (PYTRITON / "bin" / "tritonserver").exists():
@@ -281,7 +294,7 @@ async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
     a, b = tritons
     proxy, ready = await proxy_factory((a.backend, b.backend))
     sinks = Sinks(ready)
-    before = [t.success_count("echo") for t in tritons]
+    before = echo_counts(tritons)
     client = client_for(proxy)
     try:
         # Concurrent calls: least-outstanding must use both instances.
@@ -291,7 +304,7 @@ async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
         await client.close()
     for i, r in enumerate(results):
         np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.array([i, i + 0.5], np.float32))
-    gained = [t.success_count("echo") - n for t, n in zip(tritons, before)]
+    gained = [x - y for x, y in zip(echo_counts(tritons), before)]
     assert sum(gained) == 40
     assert min(gained) >= 5, gained
     assert proxy.inflight() == {"0": 0, "1": 0}
@@ -300,14 +313,14 @@ async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
 
 async def test_round_robin_alternates(tritons, proxy_factory):
     proxy, _ = await proxy_factory(tuple(t.backend for t in tritons), lb_policy="round-robin")
-    before = [t.success_count("echo") for t in tritons]
+    before = echo_counts(tritons)
     client = client_for(proxy)
     try:
         for i in range(10):  # sequential: least-outstanding would see only ties here
             await client.infer("echo", echo_inputs([i]))
     finally:
         await client.close()
-    assert [t.success_count("echo") - n for t, n in zip(tritons, before)] == [5, 5]
+    assert [x - y for x, y in zip(echo_counts(tritons), before)] == [5, 5]
 
 
 async def test_stream_infer_receives_every_response(tritons, proxy_factory):
@@ -400,9 +413,9 @@ async def test_backend_removed_from_ready_set(tritons, proxy_factory):
     try:
         await asyncio.gather(*(client.infer("echo", echo_inputs([1.0])) for _ in range(4)))
         ready.publish((b.backend,))
-        before = [t.success_count("echo") for t in tritons]
+        before = echo_counts(tritons)
         await asyncio.gather(*(client.infer("echo", echo_inputs([2.0])) for _ in range(20)))
-        assert [t.success_count("echo") - n for t, n in zip(tritons, before)] == [0, 20]
+        assert [x - y for x, y in zip(echo_counts(tritons), before)] == [0, 20]
         assert set(proxy.inflight()) == {"1"}
         ready.publish(())
         with pytest.raises(InferenceServerException) as exc:
@@ -421,7 +434,7 @@ async def test_retry_when_ready_backend_is_down(tritons, proxy_factory, policy):
     sinks = Sinks(ready)
     client = client_for(proxy)
     try:
-        for i in range(8):
+        for i in range(20):  # random ties: the dead one is picked (1 - 2**-20)
             r = await client.infer("echo", echo_inputs([float(i)]))
             assert r.as_numpy("OUTPUT0")[0] == i
         assert await client.is_server_ready() is True
@@ -539,3 +552,134 @@ async def test_bind_failure_names_the_address(proxy_factory):
     other = GrpcProxy(Settings(grpc_listen=taken), ReadyBackends())
     with pytest.raises(OrchError, match=taken):
         await other.start()
+
+
+# --- fault injection with in-process fake upstreams -----------------------------------
+# Real gRPC servers that speak raw bytes, to drive the paths Triton will not on demand:
+# metadata and deadline as seen upstream, custom status/trailers, an UNAVAILABLE
+# answered by the server itself, a stream that dies after its first response.
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+class FakeUpstream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((self,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.backend = Backend(name, "127.0.0.1", 1, self.port, 1)
+
+    def service(self, details):
+        if details.method == INFER:
+            return grpc.unary_unary_rpc_method_handler(self.unary)
+        if details.method == STREAM:
+            return grpc.stream_stream_rpc_method_handler(self.stream)
+        return None
+
+    async def unary(self, request: bytes, context) -> bytes:
+        self.calls += 1
+        if request == b"meta":
+            keys = sorted(k for k, _ in context.invocation_metadata())
+            return repr((keys, dict(context.invocation_metadata()).get("x-tag"),
+                         round(context.time_remaining(), 1))).encode()
+        if request == b"fail":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full on " + self.name,
+                                (("x-why", "because"),))
+        if request == b"unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model reloading")
+        return self.name.encode() + b":" + request
+
+    async def stream(self, requests, context) -> None:
+        self.calls += 1
+        async for message in requests:
+            await context.write(self.name.encode() + b":" + message)
+            if message == b"die":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "gone mid-stream")
+
+
+@pytest.fixture
+async def fakes():
+    made = [FakeUpstream("0"), FakeUpstream("1")]
+    for f in made:
+        await f.server.start()
+    yield made
+    for f in made:
+        await f.server.stop(None)
+
+
+async def test_fake_metadata_and_deadline_forwarded(fakes, proxy_factory):
+    proxy, _ = await proxy_factory((fakes[0].backend,))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        out = await ch.unary_unary(INFER)(b"meta", timeout=5.0,
+                                          metadata=(("x-tag", "abc"), ("x-bin-bin", b"\x00\x01")))
+    keys, tag, remaining = eval(out.decode())
+    assert tag == "abc" and "x-bin-bin" in keys
+    assert not [k for k in keys if k.startswith(":") or k == "te"]
+    assert 4.0 <= remaining <= 5.0  # the client's deadline, not the proxy's 300 s default
+
+
+async def test_fake_status_details_and_trailers_passed_through(fakes, proxy_factory):
+    proxy, ready = await proxy_factory((fakes[0].backend,))
+    sinks = Sinks(ready)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await ch.unary_unary(INFER)(b"fail")
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert exc.value.details() == "queue full on 0"
+    assert ("x-why", "because") in tuple(exc.value.trailing_metadata())
+    assert fakes[0].calls == 1  # not retried
+    assert not sinks.failures  # an answer from the instance is not an instance failure
+
+
+async def test_fake_server_side_unavailable_retried_not_blamed(fakes, proxy_factory):
+    proxy, ready = await proxy_factory(tuple(f.backend for f in fakes), lb_policy="round-robin")
+    sinks = Sinks(ready)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await ch.unary_unary(INFER)(b"unavailable")
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert exc.value.details() == "model reloading"
+    assert [f.calls for f in fakes] == [1, 1]  # one try on each, then the last answer
+    assert not sinks.failures
+
+
+async def test_fake_stream_not_retried_after_first_response(fakes, proxy_factory):
+    proxy, _ = await proxy_factory(tuple(f.backend for f in fakes))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        call = ch.stream_stream(STREAM)()
+        await call.write(b"hello")
+        first = await call.read()
+        await call.write(b"die")
+        second = await call.read()
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await call.read()
+    assert first.endswith(b":hello") and second.endswith(b":die")
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert exc.value.details() == "gone mid-stream"
+    assert sum(f.calls for f in fakes) == 1
+
+
+async def test_fake_stream_half_close_and_many_messages(fakes, proxy_factory):
+    proxy, _ = await proxy_factory((fakes[1].backend,))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        call = ch.stream_stream(STREAM)(iter([b"m%d" % i for i in range(100)]))
+        got = [m async for m in call]
+        assert await call.code() == grpc.StatusCode.OK
+    assert got == [b"1:m%d" % i for i in range(100)]
+    assert proxy.inflight()["1"] == 0
+
+
+async def test_retired_channel_closed_and_stop_is_clean(fakes, proxy_factory):
+    proxy, ready = await proxy_factory(tuple(f.backend for f in fakes))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        for _ in range(4):
+            await ch.unary_unary(INFER)(b"x")
+        ready.publish((fakes[1].backend,))
+        assert set(proxy._upstreams) == {"1"}
+        for _ in range(4):
+            assert (await ch.unary_unary(INFER)(b"x")).startswith(b"1:")
+    await proxy.stop(0.1)
+    assert not proxy._tasks and not proxy._retired

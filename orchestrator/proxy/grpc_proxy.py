@@ -128,7 +128,8 @@ class GrpcProxy:
         ]
         self._upstreams: dict[str, _Upstream] = {}
         self._inflight: dict[str, int] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()  # channel closes; owned here, awaited in stop()
+        self._retired: set[_Upstream] = set()  # left the ready set; closing once idle
+        self._tasks: set[asyncio.Task[Any]] = set()  # their closes; owned here, ended in stop()
         self._server: grpc.aio.Server | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._port = 0
@@ -161,11 +162,10 @@ class GrpcProxy:
             # Stops accepting at once; open calls get grace_s, then are cancelled.
             await self._server.stop(grace_s)
             self._server = None
-        upstreams, self._upstreams = list(self._upstreams.values()), {}
+        upstreams = list(self._upstreams.values()) + list(self._retired)
+        self._upstreams, self._retired = {}, set()
         for up in upstreams:
-            await up.channel.close(None)
-        for task in list(self._tasks):
-            task.cancel()
+            await up.channel.close(None)  # cancels whatever the server's grace left running
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -190,12 +190,13 @@ class GrpcProxy:
         # Calls already on the channel may finish (a long generation is not cut because
         # its instance stopped being routable); new calls never see this channel.
         try:
-            task = asyncio.get_running_loop().create_task(
-                up.channel.close(self._settings.idle_timeout_s))
-        except RuntimeError:  # published from outside the loop: nothing to wait for
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # published from outside the loop: nothing can be open on it
             return
+        self._retired.add(up)
+        task = loop.create_task(up.channel.close(self._settings.idle_timeout_s))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: (self._tasks.discard(t), self._retired.discard(up)))
 
     def _upstream(self, backend: Backend) -> _Upstream:
         up = self._upstreams.get(backend.instance_id)
@@ -384,6 +385,8 @@ class _Inbox:
         try:
             async for message in requests:
                 self._queue.put_nowait(message)
+        except Exception:  # noqa: BLE001 - the client went away; the call ends on its own
+            pass
         finally:
             self._queue.put_nowait(self._DONE)
 
