@@ -176,3 +176,23 @@ class Run:
         if hasattr(self, "_log"):
             self._log.close()
         return [p.pid for p in leaked]
+
+
+_TRANSITION = None
+
+
+def transitions(log_text: str) -> list[tuple[float, str, str, str, str]]:
+    """(epoch seconds, instance, old state, new state, reason) from a daemon log."""
+    import datetime as _dt
+    import re as _re
+    global _TRANSITION
+    if _TRANSITION is None:
+        _TRANSITION = _re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ instance=(\S+) gpus=\S+ "
+                                  r"(\w+) -> (\w+): (.*)$")
+    out = []
+    for line in log_text.splitlines():
+        m = _TRANSITION.match(line)
+        if m:
+            stamp = _dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append((stamp, m.group(2), m.group(3), m.group(4), m.group(5)))
+    return out
