@@ -583,8 +583,9 @@ class FakeUpstream:
         self.calls += 1
         if request == b"meta":
             keys = sorted(k for k, _ in context.invocation_metadata())
+            remaining = context.time_remaining()  # None: no deadline
             return repr((keys, dict(context.invocation_metadata()).get("x-tag"),
-                         round(context.time_remaining(), 1))).encode()
+                         None if remaining is None else round(remaining, 1))).encode()
         if request == b"fail":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full on " + self.name,
                                 (("x-why", "because"),))
@@ -619,6 +620,15 @@ async def test_fake_metadata_and_deadline_forwarded(fakes, proxy_factory):
     assert tag == "abc" and "x-bin-bin" in keys
     assert not [k for k in keys if k.startswith(":") or k == "te"]
     assert 4.0 <= remaining <= 5.0  # the client's deadline, not the proxy's 300 s default
+
+
+async def test_fake_no_client_deadline_gets_proxy_bound(fakes, proxy_factory):
+    # A hung instance must not hold a unary call forever: without a client deadline
+    # the proxy applies --idle-timeout-s.
+    proxy, _ = await proxy_factory((fakes[0].backend,), idle_timeout_s=42.0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        out = await ch.unary_unary(INFER)(b"meta")
+    assert 41.0 <= eval(out.decode())[2] <= 43.0  # grpc-timeout rounds up
 
 
 async def test_fake_status_details_and_trailers_passed_through(fakes, proxy_factory):
@@ -673,12 +683,13 @@ async def test_fake_stream_half_close_and_many_messages(fakes, proxy_factory):
 
 
 async def test_retired_channel_closed_and_stop_is_clean(fakes, proxy_factory):
-    proxy, ready = await proxy_factory(tuple(f.backend for f in fakes))
+    proxy, ready = await proxy_factory(tuple(f.backend for f in fakes), lb_policy="round-robin")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
-        for _ in range(4):
+        for _ in range(4):  # round robin: both channels get made
             await ch.unary_unary(INFER)(b"x")
+        assert set(proxy._upstreams) == {"0", "1"}
         ready.publish((fakes[1].backend,))
-        assert set(proxy._upstreams) == {"1"}
+        assert set(proxy._upstreams) == {"1"} and len(proxy._retired) == 1
         for _ in range(4):
             assert (await ch.unary_unary(INFER)(b"x")).startswith(b"1:")
     await proxy.stop(0.1)

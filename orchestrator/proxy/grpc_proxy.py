@@ -77,10 +77,11 @@ def _forwardable(metadata: Any) -> tuple[tuple[str, Any], ...] | None:
 class _Upstream:
     """One instance's long-lived channel and its method callables (made once each)."""
 
-    __slots__ = ("backend", "channel", "_callables")
+    __slots__ = ("backend", "channel", "_callables", "failing")
 
     def __init__(self, backend: Backend, options: list[tuple[str, Any]]) -> None:
         self.backend = backend
+        self.failing = False  # logged as unreachable; cleared by the next answer
         self.channel = grpc.aio.insecure_channel(backend.grpc_target, options=options)
         self._callables: dict[str, Any] = {}
 
@@ -230,8 +231,10 @@ class GrpcProxy:
 
     def _on_unavailable(self, up: _Upstream, err: grpc.aio.AioRpcError) -> None:
         if up.transport_failed():
-            self._log.warning("instance %s (%s) unreachable: %s", up.backend.instance_id,
-                              up.backend.grpc_target, err.details())
+            if not up.failing:  # once per outage, not once per call
+                up.failing = True
+                self._log.warning("instance %s (%s) unreachable: %s", up.backend.instance_id,
+                                  up.backend.grpc_target, err.details())
             self._backends.report_failure(up.backend.instance_id, f"grpc: {err.details()}")
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> tuple[float, bool]:
@@ -290,6 +293,7 @@ class GrpcProxy:
                                         _forwardable(err.trailing_metadata()) or ())
                 finally:
                     self._inflight[iid] -= 1
+                up.failing = False
                 self._backends.report_success(iid)
                 return response
             # Nothing answered. The proxy itself is alive; it is "not ready" when no
@@ -338,6 +342,7 @@ class GrpcProxy:
                         break
                     if not inbox.committed:
                         inbox.commit()
+                        up.failing = False
                         self._backends.report_success(iid)
                     await context.write(response)
                 return
