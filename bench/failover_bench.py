@@ -1,0 +1,237 @@
+"""Failover under load (issue 4): kill -9 one instance's rank 0, measure what clients and the
+orchestrator do, through the embedded proxy and through `--proxy nginx`.
+
+    /work/venv/bin/python -m bench.failover_bench [--modes embedded,nginx] [--kills 3]
+
+Per mode: one daemon (`--proxy MODE`, 2 instances x TP1, `--assume-gpus 2`,
+DEMO_TOKEN_DELAY_MS=5, `--log-level debug`, `--stable-after-s 2`), steady closed-loop load
+of small non-streaming `generate` requests (max_tokens 2, concurrency 8, one aiohttp
+session, keep-alive) through the public endpoint. After 2 s, `--kills` times: SIGKILL
+instance 0's rank 0 (the tritonserver whose environ has TRTLLM_ORCH_INSTANCE=0 and this
+run's TRTLLM_ORCH_STATE_DIR, and whose cmdline has --http-port), wait until instance 0 is
+READY again, let it run 3 s (longer than --stable-after-s, so every kill is a "first
+failure" that restarts at once instead of a backoff repeat), and kill again.
+
+Measured per kill (timestamps from the daemon log lines `instance=0 ... READY -> X` and
+`X -> READY`, millisecond resolution, vs the wall-clock time just before os.kill; SIGKILL
+makes the process die at once, so the kill time is the death time):
+  leave_s    kill -> instance 0 leaves READY (out of the ready set = out of rotation for
+             the embedded proxy; for nginx also `nginx_reload_s`: kill -> "nginx reloaded")
+  ready_s    kill -> instance 0 READY again
+  startup_s  `status` startup_s of the new run (launch -> READY)
+  overhead_s ready_s - startup_s (detect + stop what is left + relaunch decision)
+Per mode: requests sent / failed (client view), retried: the embedded proxy's
+trtllm_orch_proxy_retries_total from its /metrics listener; for nginx the count of
+upstream errors in its error.log (each is one failed attempt that nginx retried on the
+other instance if tries were left).
+
+Goals: 0 failed non-streaming requests through the embedded proxy; leave rotation within
+0.2 s of the process death; overhead <= 0.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.common import GENERATE, body, machine, med, run_load, table, use_uvloop, write_result
+from tests.harness import Run, transitions
+
+_NGINX_UPSTREAM_ERR = re.compile(r"upstream|connect\(\) failed")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def rank0_pid(run: Run, instance: str = "0") -> int | None:
+    for proc in psutil.process_iter(["pid", "name"]):
+        try:
+            if "tritonserver" not in (proc.info["name"] or "") and \
+                    not any("tritonserver" in a for a in proc.cmdline()[:1]):
+                continue
+            env = proc.environ()
+            if env.get("TRTLLM_ORCH_STATE_DIR") != str(run.state_dir) or \
+                    env.get("TRTLLM_ORCH_INSTANCE") != instance:
+                continue
+            if any(a.startswith("--http-port") for a in proc.cmdline()) and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                return proc.pid
+        except (psutil.Error, OSError):
+            continue
+    return None
+
+
+def _log_lines_after(text: str, t: float, needle: str) -> list[float]:
+    import datetime as _dt
+    out = []
+    for line in text.splitlines():
+        if needle in line:
+            m = _STAMP.match(line)
+            if m:
+                ts = _dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                if ts >= t - 0.005:
+                    out.append(ts)
+    return out
+
+
+def _retries(run: Run) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("trtllm_orch_proxy_retries_total"))
+
+
+def _nginx_upstream_errors(run: Run) -> int:
+    path = run.state_dir / "nginx" / "error.log"
+    try:
+        return sum(1 for line in path.read_text(errors="replace").splitlines()
+                   if _NGINX_UPSTREAM_ERR.search(line))
+    except OSError:
+        return 0
+
+
+async def _mode(mode: str, kills: int, concurrency: int) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-failover-{mode}-"))
+    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy=mode,
+              env_extra={"DEMO_TOKEN_DELAY_MS": "5"}, extra=("--stable-after-s", "2"))
+    out: dict[str, Any] = {"mode": mode, "kills": []}
+    stop = asyncio.Event()
+    load_task = None
+    try:
+        await asyncio.to_thread(run.start)
+        retries0 = _retries(run) if mode == "embedded" else _nginx_upstream_errors(run)
+        load_task = asyncio.create_task(run_load(run.url(GENERATE), concurrency=concurrency,
+                                                 bodies=lambda n: body(2, f"f{n % 97}"),
+                                                 stop=stop, target=mode, warmup=concurrency))
+        await asyncio.sleep(2.0)
+        for k in range(kills):
+            st = await asyncio.to_thread(run.status)
+            inst0 = next(i for i in st["instances"] if i["id"] == "0")
+            restarts_before = inst0["restarts"]
+            pid = await asyncio.to_thread(rank0_pid, run)
+            assert pid is not None, "instance 0 rank 0 not found"
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            st = await asyncio.to_thread(
+                run.wait_for, lambda s: any(i["id"] == "0" and i["state"] == "READY" and
+                                            i["restarts"] > restarts_before for i in s["instances"]),
+                60, "instance 0 READY again")
+            inst0 = next(i for i in st["instances"] if i["id"] == "0")
+            log = run.daemon_log()
+            tr = [t for t in transitions(log) if t[1] == "0" and t[0] >= t_kill - 0.005]
+            leave = next((t for t in tr if t[2] == "READY"), None)
+            ready = next((t for t in tr if t[3] == "READY"), None)
+            row: dict[str, Any] = {
+                "kill": k + 1, "killed_pid": pid,
+                "leave_s": round(leave[0] - t_kill, 3) if leave else None,
+                "leave_to": f"{leave[3]}: {leave[4]}"[:120] if leave else None,
+                "ready_s": round(ready[0] - t_kill, 3) if ready else None,
+                "startup_s": inst0["startup_s"],
+            }
+            row["overhead_s"] = round(row["ready_s"] - row["startup_s"], 3) \
+                if row["ready_s"] is not None and row["startup_s"] is not None else None
+            if mode == "nginx":
+                rel = _log_lines_after(log, t_kill, "nginx reloaded")
+                row["nginx_reload_s"] = round(rel[0] - t_kill, 3) if rel else None
+            out["kills"].append(row)
+            print(f"  [{mode} kill {k + 1}] pid {pid}: leave {row['leave_s']} s, READY {row['ready_s']} s, "
+                  f"startup {row['startup_s']} s, overhead {row['overhead_s']} s"
+                  + (f", nginx reloaded {row.get('nginx_reload_s')} s" if mode == "nginx" else ""),
+                  flush=True)
+            await asyncio.sleep(3.0)
+        stop.set()
+        res = await load_task
+        load_task = None
+        out["load"] = res.summary()
+        out["failures_at_rel_kill"] = []
+        if mode == "embedded":
+            out["retried"] = int(_retries(run) - retries0)
+            out["retried_source"] = "trtllm_orch_proxy_retries_total (embedded /metrics)"
+        else:
+            out["retried"] = _nginx_upstream_errors(run) - retries0
+            out["retried_source"] = "upstream errors in nginx error.log (failed attempts)"
+        out["sent"], out["failed"] = res.sent, res.failed
+        for key in ("leave_s", "ready_s", "startup_s", "overhead_s", "nginx_reload_s"):
+            vals = [r.get(key) for r in out["kills"] if key in r]
+            if vals:
+                out[f"median_{key}"] = med(vals)
+    finally:
+        stop.set()
+        if load_task is not None:
+            load_task.cancel()
+        out["leaked_pids"] = await asyncio.to_thread(run.close)
+        out["daemon_log"] = str(run.log_path)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="embedded,nginx")
+    ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=8)
+    a = ap.parse_args()
+    uv = use_uvloop()
+    t0 = time.time()
+    result: dict[str, Any] = {"bench": "failover_bench", "machine": machine(),
+                              "generator": {"uvloop": uv, "concurrency": a.concurrency,
+                                            "request": "generate max_tokens 2, delay 5 ms/token"},
+                              "modes": {}}
+    for mode in a.modes.split(","):
+        print(f"{mode}: 2 x TP1, load at concurrency {a.concurrency}, {a.kills} kills of instance 0 rank 0",
+              flush=True)
+        result["modes"][mode] = asyncio.run(_mode(mode, a.kills, a.concurrency))
+    result["wall_s"] = round(time.time() - t0, 1)
+
+    cols = ["mode", "kill", "leave_s", "nginx_reload_s", "ready_s", "startup_s", "overhead_s"]
+    rows = []
+    for mode, m in result["modes"].items():
+        for r in m["kills"]:
+            rows.append({"mode": mode, **r})
+        rows.append({"mode": mode, "kill": "median", **{k: m.get(f"median_{k}") for k in cols[2:]}})
+    print("\nper kill (seconds from the SIGKILL)")
+    print(table(rows, cols))
+    srows = [{"mode": mode, "sent": m.get("sent"), "failed": m.get("failed"), "retried": m.get("retried"),
+              "rps": m.get("load", {}).get("rps"), "errors": m.get("load", {}).get("errors")}
+             for mode, m in result["modes"].items()]
+    print("\nclient view")
+    print(table(srows, ["mode", "sent", "failed", "retried", "rps", "errors"]))
+
+    goals = {}
+    emb = result["modes"].get("embedded")
+    if emb:
+        goals["0 failed through embedded"] = (emb.get("failed"), emb.get("failed") == 0)
+        worst = max((r["leave_s"] for r in emb["kills"] if r["leave_s"] is not None), default=None)
+        goals["leave rotation <= 0.2 s (embedded, worst kill)"] = (worst, worst is not None and worst <= 0.2)
+        ov = emb.get("median_overhead_s")
+        goals["overhead <= 0.5 s (embedded, median)"] = (ov, ov is not None and ov <= 0.5)
+    ngx = result["modes"].get("nginx")
+    if ngx:
+        worst = max((r["nginx_reload_s"] or 99 for r in ngx["kills"]), default=None)
+        goals["leave rotation <= 0.2 s (nginx reloaded, worst kill)"] = (worst, worst is not None and worst <= 0.2)
+        ov = ngx.get("median_overhead_s")
+        goals["overhead <= 0.5 s (nginx mode, median)"] = (ov, ov is not None and ov <= 0.5)
+    print("\ngoals:")
+    for k, (v, ok) in goals.items():
+        print(f"  {'PASS' if ok else 'MISS'}  {k}: {v}")
+    result["goals"] = {k: {"value": v, "met": ok} for k, (v, ok) in goals.items()}
+    path = write_result("failover_bench", result)
+    print(f"\nwrote {path}")
+    leaks = [p for m in result["modes"].values() for p in m.get("leaked_pids", [])]
+    if leaks:
+        print(f"LEAKED processes killed by the harness: {leaks}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.chdir(Path(__file__).resolve().parent.parent)
+    sys.exit(main())
