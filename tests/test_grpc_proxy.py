@@ -117,45 +117,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_repo(root: Path) -> tuple[Path, Path]:
-    repo = root / "models"
+REPO = Path(__file__).resolve().parent.parent
+TRITON_ENV = REPO / ".triton" / "env"  # written by scripts/setup-triton
+DEMO_REPO = REPO / "demo" / "model_repo"
+
+
+class Setup:
+    """How to run tritonserver here: scripts/setup-triton's prepared backend directory
+    and the shared demo repository when they exist, else a copy of pytriton's Python
+    backend made here (and no demo model)."""
+
+    def __init__(self, root: Path) -> None:
+        self.repos = [make_models(root / "models")]
+        self.models = ["echo", "countdown"]
+        values = read_env_file(TRITON_ENV) if TRITON_ENV.exists() else {}
+        if values.get("TRITONSERVER") and values.get("BACKEND_DIR"):
+            self.binary = values["TRITONSERVER"]
+            self.backends = Path(values["BACKEND_DIR"])
+            self.env = {k: values[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH") if k in values}
+            if (DEMO_REPO / "tensorrt_llm" / "config.pbtxt").exists():
+                self.repos.append(DEMO_REPO)
+                self.models.append("tensorrt_llm")
+        else:
+            self.binary = str(PYTRITON / "bin" / "tritonserver")
+            self.backends = copy_python_backend(root / "backends")
+            # The copied stub finds its bundled libraries through an $ORIGIN-relative
+            # RPATH that no longer points anywhere.
+            self.env = {"PYTHONPATH": str(Path(np.__file__).parent.parent),
+                        "LD_LIBRARY_PATH": str(PYTRITON.parent.parent / "nvidia_pytriton.libs")}
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip().strip("\"'")
+    return out
+
+
+def make_models(repo: Path) -> Path:
     for name, config, model in (("echo", ECHO_CONFIG, ECHO_MODEL),
                                 ("countdown", COUNTDOWN_CONFIG, COUNTDOWN_MODEL)):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(config)
         (repo / name / "1" / "model.py").write_text(model)
-    backends = root / "backends"
+    return repo
+
+
+def copy_python_backend(backends: Path) -> Path:
     (backends / "python").mkdir(parents=True)
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     for src in (PYTRITON / "python_backend_stubs" / py / "triton_python_backend_stub",
                 PYTRITON / "backends" / "python" / "libtriton_python.so",
                 PYTRITON / "backends" / "python" / "triton_python_backend_utils.py"):
         shutil.copy2(src, backends / "python" / src.name)
-    return repo, backends
+    return backends
 
 
 class Triton:
     """One tritonserver process in its own process group (killed as a group)."""
 
-    def __init__(self, name: str, repo: Path, backends: Path, log: Path) -> None:
+    def __init__(self, name: str, setup: Setup, log: Path) -> None:
         self.name = name
+        self.models = setup.models
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         env = dict(os.environ)
-        site = str(Path(np.__file__).parent.parent)
-        env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
-        # The copied stub finds its bundled libraries through an $ORIGIN-relative
-        # RPATH that no longer points anywhere.
-        libs = str(PYTRITON.parent.parent / "nvidia_pytriton.libs")
-        env["LD_LIBRARY_PATH"] = libs + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+        for key, value in setup.env.items():
+            env[key] = value + os.pathsep + env[key] if env.get(key) else value
+        env["DEMO_TOKEN_DELAY_MS"] = "5"
         self.log = log
         self.proc = subprocess.Popen(
-            [str(PYTRITON / "bin" / "tritonserver"), f"--model-repository={repo}",
-             f"--backend-directory={backends}", "--model-control-mode=explicit", "--load-model=*",
+            [setup.binary, *(f"--model-repository={r}" for r in setup.repos),
+             f"--backend-directory={setup.backends}", "--model-control-mode=explicit",
+             *(f"--load-model={m}" for m in setup.models),
              "--http-address=127.0.0.1", f"--http-port={self.http}",
              "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc}",
              "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics}",
              # Distinct shm prefixes: two servers on one host must not share regions.
-             f"--backend-config=python,shm-region-prefix-name={name}_{os.getpid()}_",
+             f"--backend-config=python,shm-region-prefix-name=gp{name}_{os.getpid()}_",
              "--log-verbose=0"],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
             # If pytest itself is killed, teardown never runs: let the kernel kill the
@@ -176,8 +216,7 @@ class Triton:
                     raise RuntimeError(f"tritonserver {self.name} exited {self.proc.returncode}:\n"
                                        + self.log.read_text()[-3000:])
                 try:
-                    if (client.is_server_ready() and client.is_model_ready("echo")
-                            and client.is_model_ready("countdown")):
+                    if client.is_server_ready() and all(map(client.is_model_ready, self.models)):
                         return
                 except InferenceServerException:
                     pass
@@ -220,11 +259,11 @@ def tritons(tmp_path_factory):
     if PYTRITON is None or not (PYTRITON / "bin" / "tritonserver").exists():
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
     root = tmp_path_factory.mktemp("triton")
-    repo, backends = make_repo(root)
+    setup = Setup(root)
     servers: list[Triton] = []
     try:
         for name in ("0", "1"):
-            servers.append(Triton(name, repo, backends, root / f"triton{name}.log"))
+            servers.append(Triton(name, setup, root / f"triton{name}.log"))
         for s in servers:
             s.wait_ready()
         yield servers
@@ -347,6 +386,54 @@ async def test_stream_infer_receives_every_response(tritons, proxy_factory):
         await client.close()
     assert received == {k: list(range(n)) for k, n in counts.items()}
     assert sum(proxy.inflight().values()) == 0
+
+
+async def test_demo_tensorrt_llm_stream_with_sync_client(tritons, proxy_factory):
+    """The shared demo model (decoupled, TRT-LLM tensor names) through the proxy, with
+    tritonclient's sync streaming API (its own thread, so the proxy's loop runs free)."""
+    if "tensorrt_llm" not in tritons[0].models:
+        pytest.skip("no .triton/env + demo/model_repo (scripts/setup-triton)")
+    import queue
+
+    proxy, _ = await proxy_factory(tuple(t.backend for t in tritons))
+    prompt = list(b"grpc via proxy")
+
+    def run() -> list[list[int]]:
+        ids = np.array([prompt], dtype=np.int32)
+        inputs = []
+        for name, arr in (("input_ids", ids),
+                          ("input_lengths", np.array([[ids.shape[1]]], dtype=np.int32)),
+                          ("request_output_len", np.array([[6]], dtype=np.int32)),
+                          ("streaming", np.array([[True]], dtype=bool))):
+            t = tritonclient_grpc.InferInput(name, list(arr.shape), "BOOL" if arr.dtype == bool else "INT32")
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        results: queue.Queue = queue.Queue()
+        client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{proxy.bound_port}")
+        streams = []
+        try:
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            for rid in ("r1", "r2"):  # two requests on one stream
+                client.async_stream_infer("tensorrt_llm", inputs, request_id=rid,
+                                          enable_empty_final_response=True)
+            tokens: dict[str, list[int]] = {"r1": [], "r2": []}
+            finals = 0
+            while finals < 2:
+                result, error = results.get(timeout=20)
+                assert error is None, error
+                response = result.get_response()
+                if response.parameters["triton_final_response"].bool_param:
+                    finals += 1
+                if result.as_numpy("output_ids") is not None:
+                    tokens[response.id] += result.as_numpy("output_ids").reshape(-1).tolist()
+            streams = [tokens["r1"], tokens["r2"]]
+        finally:
+            client.stop_stream()
+            client.close()
+        return streams
+
+    r1, r2 = await asyncio.to_thread(run)
+    assert len(r1) == 6 and r1 == r2  # deterministic: the same prompt, the same tokens
 
 
 async def test_admin_rpc_refused_and_model_stays_loaded(tritons, proxy_factory):
