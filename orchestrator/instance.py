@@ -27,7 +27,7 @@ from .health.canary import CanaryScheduler, default_canary_body, run_canary
 from .health.exit_watch import ExitWatcher
 from .health.probes import probe_instance, wait_until_ready
 from .health.restart_policy import RestartPolicy
-from .launcher.command import LaunchCommand, shm_prefix
+from .launcher.command import LaunchCommand, shm_prefix, shm_scope
 from .launcher.logfile import RotatingLog, pump
 from .launcher.ports import listening_pids, taken_ports
 from .launcher.process_tree import OsOps, process_tree, stop_processes, tagged_processes
@@ -439,7 +439,8 @@ class Instance:
     def _clean_shm(self) -> None:
         # A SIGKILLed Python-backend stub leaves its regions in /dev/shm (RAM); they are ours.
         for rank in range(self.plan.tp):
-            for path in glob.glob(f"/dev/shm/{shm_prefix(self.id, rank)}*"):
+            prefix = shm_prefix(self.id, rank, shm_scope(str(self._shared.state_dir.root)))
+            for path in glob.glob(f"/dev/shm/{prefix}*"):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 

@@ -4,7 +4,7 @@ import pytest
 
 from orchestrator.errors import UsageError
 from orchestrator.gpus import parse_gpu_spec
-from orchestrator.launcher.command import build_launch, rank_args, shm_prefix
+from orchestrator.launcher.command import build_launch, rank_args, shm_prefix, shm_scope
 from orchestrator.launcher.mpi import MpiFlavour, parse_version_text
 from orchestrator.plan import make_plan
 
@@ -117,8 +117,9 @@ def test_leader_mode_command_openmpi_root():
         assert flag in rank1
     for rank in (rank0, rank1):
         assert "--disable-auto-complete-config" in rank and "--log-verbose=1" in rank
-    assert f"--backend-config=python,shm-region-prefix-name={shm_prefix('0', 0)}" in rank0
-    assert f"--backend-config=python,shm-region-prefix-name={shm_prefix('0', 1)}" in rank1
+    scope = shm_scope(cmd.env["TRTLLM_ORCH_STATE_DIR"])  # two daemons never share a prefix
+    assert f"--backend-config=python,shm-region-prefix-name={shm_prefix('0', 0, scope)}" in rank0
+    assert f"--backend-config=python,shm-region-prefix-name={shm_prefix('0', 1, scope)}" in rank1
 
 
 def test_shm_prefixes_unique_across_instances_and_ranks():

@@ -53,17 +53,27 @@ def find_tritonserver(explicit: str) -> str:
                              "pass --tritonserver PATH (scripts/setup-triton prepares one)")
 
 
-def shm_prefix(instance_id: str, rank: int) -> str:
-    # Unique per instance and rank; the pid-free form keeps it stable across
-    # restarts so a crashed stub's leftovers are reused, not leaked.
-    return f"orch_i{instance_id}_r{rank}_"
+def shm_scope(state_dir: str) -> str:
+    """A short tag of the state dir, so two daemons on one host never share a shm prefix."""
+    import hashlib
+    return hashlib.sha1(state_dir.encode()).hexdigest()[:8]
+
+
+def shm_prefix(instance_id: str, rank: int, scope: str = "") -> str:
+    # Unique per instance and rank, and per daemon through `scope`: a stopped instance
+    # unlinks every region with its prefix (instance._clean_shm), and without the scope
+    # that also deleted the live regions of another daemon's instance with the same id
+    # (its starting stubs then failed: "Unable to initialize shared memory key").
+    # Still matches reaper's "orch_i*_r*_*" glob.
+    return f"orch_i{instance_id}_r{rank}_" + (f"{scope}_" if scope else "")
 
 
 def rank_args(inst: InstancePlan, rank: int, model_repo: str, llm_models: tuple[str, ...],
-              extra: tuple[str, ...]) -> list[str]:
+              extra: tuple[str, ...], shm_scope: str = "") -> list[str]:
     p = inst.ports
+    prefix = shm_prefix(inst.instance_id, rank, shm_scope)
     common = [f"--model-repository={model_repo}", "--disable-auto-complete-config",
-              f"--backend-config=python,shm-region-prefix-name={shm_prefix(inst.instance_id, rank)}",
+              f"--backend-config=python,shm-region-prefix-name={prefix}",
               f"--id=instance{inst.instance_id}-rank{rank}"]
     if rank == 0:
         addr = inst.bind_address
@@ -97,7 +107,7 @@ def build_launch(inst: InstancePlan, *, mpi: MpiFlavour, tritonserver: str, mode
         if rank:
             argv.append(":")
         argv += ["-n", "1", *rank_wrapper, tritonserver,
-                 *rank_args(inst, rank, model_repo, llm_models, extra_args)]
+                 *rank_args(inst, rank, model_repo, llm_models, extra_args, shm_scope(state_dir))]
     return LaunchCommand(tuple(argv), env)
 
 
