@@ -105,10 +105,30 @@ class TritonPythonModel:
 """
 
 
-def _die_with_parent() -> None:
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+class Reaper:
+    """Kills the servers' process groups even when pytest itself is killed (-9, a CI
+    timeout) and no teardown runs: a sidecar in its own session waits for its stdin
+    to close, which happens however pytest ends. A server's Python stubs outlive a
+    server killed alone (seen here: orphaned, still running after 20 s), so it is
+    the group that goes."""
+
+    CODE = ("import os, signal, sys\n"
+            "groups = [int(line) for line in sys.stdin]\n"
+            "for g in groups:\n"
+            "    try: os.killpg(g, signal.SIGKILL)\n"
+            "    except OSError: pass\n")
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdin=subprocess.PIPE,
+                                     start_new_session=True)
+
+    def watch(self, pgid: int) -> None:
+        self.proc.stdin.write(f"{pgid}\n".encode())
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
 
 
 def free_port() -> int:
@@ -178,7 +198,7 @@ def copy_python_backend(backends: Path) -> Path:
 class Triton:
     """One tritonserver process in its own process group (killed as a group)."""
 
-    def __init__(self, name: str, setup: Setup, log: Path) -> None:
+    def __init__(self, name: str, setup: Setup, log: Path, reaper: "Reaper") -> None:
         self.name = name
         self.models = setup.models
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
@@ -197,10 +217,8 @@ class Triton:
              # Distinct shm prefixes: two servers on one host must not share regions.
              f"--backend-config=python,shm-region-prefix-name=gp{name}_{os.getpid()}_",
              "--log-verbose=0"],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            # If pytest itself is killed, teardown never runs: let the kernel kill the
-            # server with us (its Python stubs exit when it does).
-            preexec_fn=_die_with_parent)
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        reaper.watch(self.proc.pid)
         self.backend = Backend(name, "127.0.0.1", self.http, self.grpc, self.metrics)
 
     @property
@@ -260,16 +278,18 @@ def tritons(tmp_path_factory):
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
     root = tmp_path_factory.mktemp("triton")
     setup = Setup(root)
+    reaper = Reaper()
     servers: list[Triton] = []
     try:
         for name in ("0", "1"):
-            servers.append(Triton(name, setup, root / f"triton{name}.log"))
+            servers.append(Triton(name, setup, root / f"triton{name}.log", reaper))
         for s in servers:
             s.wait_ready()
         yield servers
     finally:
         for s in servers:
             s.kill()
+        reaper.close()
 
 
 def settings(**changes) -> Settings:
