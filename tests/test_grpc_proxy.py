@@ -674,6 +674,7 @@ class FakeUpstream:
     def __init__(self, name: str) -> None:
         self.name = name
         self.calls = 0
+        self.cancelled = asyncio.Event()
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers((self,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -702,10 +703,16 @@ class FakeUpstream:
 
     async def stream(self, requests, context) -> None:
         self.calls += 1
-        async for message in requests:
-            await context.write(self.name.encode() + b":" + message)
-            if message == b"die":
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "gone mid-stream")
+        try:
+            async for message in requests:
+                await context.write(self.name.encode() + b":" + message)
+                if message == b"die":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "gone mid-stream")
+                if message == b"hang":
+                    await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
 
 
 @pytest.fixture
@@ -787,6 +794,22 @@ async def test_fake_stream_half_close_and_many_messages(fakes, proxy_factory):
         assert await call.code() == grpc.StatusCode.OK
     assert got == [b"1:m%d" % i for i in range(100)]
     assert proxy.inflight()["1"] == 0
+
+
+async def test_fake_stream_client_cancel_cancels_upstream(fakes, proxy_factory):
+    proxy, _ = await proxy_factory((fakes[0].backend,))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+        call = ch.stream_stream(STREAM)()
+        await call.write(b"hang")
+        assert await call.read() == b"0:hang"
+        assert proxy.inflight()["0"] == 1
+        call.cancel()
+        await asyncio.wait_for(fakes[0].cancelled.wait(), 5)
+    for _ in range(100):
+        if proxy.inflight()["0"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert proxy.inflight()["0"] == 0
 
 
 async def test_retired_channel_closed_and_stop_is_clean(fakes, proxy_factory):
