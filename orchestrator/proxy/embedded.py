@@ -350,6 +350,13 @@ class EmbeddedProxy:
                     self.metrics.count(iid, 502)
                     return _error(502, "instance sent an invalid response")
                 self.metrics.observe_latency(iid, loop.time() - t0)
+                if up.status == 503 or (up.status >= 400 and not self._is_ready(iid)):
+                    # The instance says it cannot serve (503), or it answered with an error
+                    # while leaving rotation (a TP rank died mid-generation: Triton turns the
+                    # model's error into a 400 or 500). That error says nothing about the
+                    # request, and no byte has reached the client: try another instance.
+                    up.close()
+                    raise _Retryable(f"http_{up.status}")
                 return await self._relay(request, up, iid, stream)
             except _Retryable as exc:
                 last = f"instance {iid}: {exc.reason}"
@@ -365,6 +372,9 @@ class EmbeddedProxy:
         self.metrics.count(NO_INSTANCE, 502)
         self._log.warning("%s %s: all %d attempt(s) failed, last: %s", method, path, len(tried), last)
         return _error(502, f"all upstream attempts failed ({last})")
+
+    def _is_ready(self, iid: str) -> bool:
+        return any(b.instance_id == iid for b in self._backends.current())
 
     def _upstream_failed(self, iid: str, reason: str) -> None:
         self.metrics.failure(iid, reason)

@@ -237,8 +237,13 @@ class TritonPythonModel:
             elif not tokens:
                 sender.send(flags=final)
         except Exception as exc:
+            # A lost TP peer means this instance cannot serve anything: say UNAVAILABLE
+            # (HTTP 503, gRPC UNAVAILABLE), which load balancers retry elsewhere.
+            # Anything else is our own bug: INTERNAL.
+            code = pb_utils.TritonError.UNAVAILABLE if isinstance(exc, (ConnectionError, OSError)) \
+                else pb_utils.TritonError.INTERNAL
             sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(f"demo tensorrt_llm: {exc}")),
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(f"demo tensorrt_llm: {exc}", code)),
                 flags=final,
             )
 
