@@ -85,7 +85,7 @@ def test_upstream_and_proxy_settings() -> None:
                      "proxy_set_header Host $host;", "proxy_set_header X-Forwarded-For $trtllm_forwarded_for;",
                      "proxy_read_timeout 123000ms;", "proxy_connect_timeout 1500ms;",
                      "client_max_body_size 1234567;",
-                     "proxy_next_upstream error timeout non_idempotent;", "proxy_next_upstream_tries 4;",
+                     "proxy_next_upstream error timeout http_503 non_idempotent;", "proxy_next_upstream_tries 4;",
                      "listen 127.0.0.1:18080;"):
         assert expected in lines, expected
     assert any(ln.startswith("client_header_timeout ") for ln in lines)
