@@ -209,6 +209,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     if holder:
         raise OrchError(f"a daemon (pid {holder}) already runs with state dir {sd.root}; "
                         "`trtllm-orch down` stops it")
+    # A SIGKILLed predecessor may still hold our ports for a moment: sweep it first,
+    # so the port check below sees only strangers.
+    if sd.root.exists():
+        from .launcher.process_tree import OsOps
+        from .reaper import sweep_leftovers
+        asyncio.run(sweep_leftovers(sd, OsOps(), settings.stop_grace_s))
     _check_listen_ports(settings, prepared.plan)
     if settings.detach:
         from .detach import run_detached
@@ -262,6 +268,8 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"      {inst['state'].lower()}: {inst['reason']}")
         if inst.get("last_failure"):
             lines.append(f"      last failure: {inst['last_failure']}")
+        for line in inst.get("errors", []):
+            lines.append(f"      log: {line[:200]}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import contextlib
 import glob
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -37,6 +38,10 @@ from .states import RESTING_STATES, SERVING_STATES, State, check_transition
 from .statedir import StateDir
 
 log = logging.getLogger("trtllm-orch")
+
+# tritonserver error lines ("E1121 12:00:00.1 ..."), Python exceptions, failed loads.
+_ERROR_LINE = re.compile(r"(<std(?:out|err)>:\s*|^)E\d{4} |Traceback|Error|error:|failed to load|"
+                         r"Exception|exited with code [^0]")
 
 # Grace for the survivors of a group that already failed (see _stop_group).
 FAILED_GROUP_GRACE_S = 1.0
@@ -108,6 +113,15 @@ class Instance:
     def log_tail(self, n: int = 20) -> list[str]:
         return self._log.tail(n) if self._log else []
 
+    def error_lines(self, n: int = 3) -> list[str]:
+        """The last lines that look like the actual error (a model's exception, a
+        tritonserver E-line), not mpirun's closing boilerplate; else the plain tail."""
+        if not self._log:
+            return []
+        lines = self._log.tail(200)
+        hits = [ln for ln in lines if _ERROR_LINE.search(ln)]
+        return (hits or lines)[-n:]
+
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
         return {
@@ -122,6 +136,7 @@ class Instance:
             "startup_s": round(self.startup_s, 2) if self.startup_s is not None else None,
             "log": str(self.dir / "instance.log"),
             "log_tail": self.log_tail(10) if self.state not in SERVING_STATES else [],
+            "errors": self.error_lines(5) if self.state not in SERVING_STATES else [],
         }
 
     def state_record(self) -> dict[str, Any]:
@@ -223,7 +238,7 @@ class Instance:
             return "restart requested"
         decision = self.policy.record_failure()
         if decision.give_up:
-            tail = " | ".join(self.log_tail(3))
+            tail = " | ".join(self.error_lines(3))
             self._move(State.FAILED, f"{decision.reason}; last: {failure}" + (f"; log: {tail}" if tail else ""))
             return None  # FAILED: wait for `restart ID` or stop
         self._move(State.BACKOFF, f"{failure}; {decision.reason}")  # STOPPING -> BACKOFF
