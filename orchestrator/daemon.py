@@ -57,6 +57,11 @@ class Daemon:
         self._reload_task: asyncio.Task | None = None
         self._notifier = _make_notifier()
         self._announced_ready = False
+        # Launches per instance (moves into STARTING), so a rolling restart can tell that an
+        # instance really went through a new start: `restarts` does not count a restart out
+        # of FAILED, and waiting on it hung the rolling restart (and refused every later one).
+        self._starts: dict[str, int] = {}
+        self._last_state: dict[str, State] = {}
 
     # --- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -167,6 +172,9 @@ class Daemon:
 
     # --- reacting to instances ---------------------------------------------------------
     def _instance_changed(self, inst: Instance) -> None:
+        if inst.state == State.STARTING and self._last_state.get(inst.id) != State.STARTING:
+            self._starts[inst.id] = self._starts.get(inst.id, 0) + 1
+        self._last_state[inst.id] = inst.state
         # Synchronous on purpose: the ready set is current before the next request is routed.
         self.backends.publish(tuple(i.backend for i in self.instances.values() if i.serving))
         if inst.state == State.READY:
@@ -243,10 +251,10 @@ class Daemon:
                 return
             if inst.state == State.STOPPED:
                 continue
-            before = inst.restarts
+            before = self._starts.get(inst.id, 0)
             inst.request_restart()
             while not self._stop.is_set():
-                if inst.restarts > before and inst.state in (State.READY, State.FAILED):
+                if self._starts.get(inst.id, 0) > before and inst.state in (State.READY, State.FAILED):
                     break
                 await asyncio.sleep(0.05)
             log.info("rolling restart: instance=%s is %s", inst.id, inst.state.value)

@@ -493,3 +493,19 @@ def test_up_detach_failing_model_exits_nonzero_with_log_tail(orch_run, tmp_path)
     assert tagged(run.state_dir) == []
     assert _daemon_pids_for(run.state_dir) == []
     assert not (run.state_dir / "state.json").exists()
+
+
+def test_reload_with_failed_instances_completes(orch_run, tmp_path):
+    """A rolling restart retries FAILED instances and finishes, whatever their outcome."""
+    run = orch_run(model_repo=_broken_repo(tmp_path), extra=("--max-failures", "1")).start(wait_ready=False)
+    run.wait_for(lambda s: all(i["state"] == "FAILED" for i in s["instances"]), 60, "both FAILED")
+    since = time.time() - 0.5
+    assert run.cli("reload", "--state-dir", str(run.state_dir)).returncode == 0
+    run.wait_for(lambda s: not s["daemon"]["rolling_restart"], 60, "rolling restart to finish")
+    started = [inst for stamp, inst, old, new, _ in transitions(run.daemon_log())
+               if stamp >= since and new == "STARTING"]
+    assert started == ["0", "1"], started
+    assert "rolling restart done" in run.daemon_log()
+    assert all(i["state"] == "FAILED" for i in run.status()["instances"])
+    # And the next reload is accepted, not refused as "already running".
+    assert run.cli("reload", "--state-dir", str(run.state_dir)).returncode == 0
