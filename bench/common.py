@@ -62,6 +62,7 @@ class LoadResult:
     failed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     failures_at: list[float] = field(default_factory=list)  # epoch seconds of each failure
+    error_samples: list[str] = field(default_factory=list)  # first few failure messages
 
     @property
     def ok(self) -> int:
@@ -71,6 +72,7 @@ class LoadResult:
         return {"target": self.target, "duration_s": round(self.duration_s, 3), "sent": self.sent,
                 "ok": self.ok, "failed": self.failed, "errors": self.errors,
                 "rps": round(self.ok / self.duration_s, 1) if self.duration_s else 0.0,
+                "error_samples": self.error_samples,
                 "p50_ms": pct(self.latencies_ms, 50), "p90_ms": pct(self.latencies_ms, 90),
                 "p99_ms": pct(self.latencies_ms, 99), "max_ms": round(max(self.latencies_ms), 3)
                 if self.latencies_ms else None}
@@ -146,6 +148,8 @@ async def run_load(urls: list[str] | str, *, concurrency: int, duration_s: float
                     res.failed += 1
                     res.errors[key] = res.errors.get(key, 0) + 1
                     res.failures_at.append(time.time())
+                    if len(res.error_samples) < 5:
+                        res.error_samples.append(f"{key}: {exc}"[:200])
                     continue
                 if status == 200:
                     res.latencies_ms.append((perf() - t0) * 1000.0)

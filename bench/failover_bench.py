@@ -131,7 +131,7 @@ async def _mode(mode: str, kills: int, concurrency: int) -> dict[str, Any]:
             leave = next((t for t in tr if t[2] == "READY"), None)
             ready = next((t for t in tr if t[3] == "READY"), None)
             row: dict[str, Any] = {
-                "kill": k + 1, "killed_pid": pid,
+                "kill": k + 1, "killed_pid": pid, "t_kill": t_kill,
                 "leave_s": round(leave[0] - t_kill, 3) if leave else None,
                 "leave_to": f"{leave[3]}: {leave[4]}"[:120] if leave else None,
                 "ready_s": round(ready[0] - t_kill, 3) if ready else None,
@@ -152,7 +152,16 @@ async def _mode(mode: str, kills: int, concurrency: int) -> dict[str, Any]:
         res = await load_task
         load_task = None
         out["load"] = res.summary()
-        out["failures_at_rel_kill"] = []
+        kill_ts = [r["t_kill"] for r in out["kills"]]
+        log = run.daemon_log()
+        reload_ts = _log_lines_after(log, kill_ts[0], "nginx reloaded") if mode == "nginx" else []
+        out["failures"] = []
+        for t in res.failures_at:
+            k = max((i for i, kt in enumerate(kill_ts) if kt <= t), default=None)
+            near = min(reload_ts, key=lambda r: abs(r - t)) if reload_ts else None
+            out["failures"].append({"after_kill": k + 1 if k is not None else None,
+                                    "s_after_kill": round(t - kill_ts[k], 3) if k is not None else None,
+                                    "s_from_nearest_nginx_reload": round(t - near, 3) if near else None})
         if mode == "embedded":
             out["retried"] = int(_retries(run) - retries0)
             out["retried_source"] = "trtllm_orch_proxy_retries_total (embedded /metrics)"
@@ -202,6 +211,12 @@ def main() -> int:
     srows = [{"mode": mode, "sent": m.get("sent"), "failed": m.get("failed"), "retried": m.get("retried"),
               "rps": m.get("load", {}).get("rps"), "errors": m.get("load", {}).get("errors")}
              for mode, m in result["modes"].items()]
+    for mode, m in result["modes"].items():
+        if m.get("failures"):
+            print(f"\n{mode}: failures (s after the kill / s from the nearest nginx reload): "
+                  + ", ".join(f"kill {f['after_kill']}: {f['s_after_kill']} / {f['s_from_nearest_nginx_reload']}"
+                              for f in m["failures"][:20]))
+            print(f"  samples: {m['load'].get('error_samples')}")
     print("\nclient view")
     print(table(srows, ["mode", "sent", "failed", "retried", "rps", "errors"]))
 
