@@ -24,6 +24,17 @@ def line_rank(line: bytes) -> int | None:
 
 
 def show_logs(sd: StateDir, instance_id: str, rank: int | None, lines: int, follow: bool) -> int:
+    if lines < 0:  # deque(maxlen=-1) raised a ValueError traceback
+        raise UsageError("--lines", lines, "must be >= 0")
+    try:
+        return _show_logs(sd, instance_id, rank, lines, follow)
+    except BrokenPipeError:  # `logs ID | head`: the reader is gone, which is no error
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
+def _show_logs(sd: StateDir, instance_id: str, rank: int | None, lines: int, follow: bool) -> int:
     path = sd.instance_dir(instance_id) / "instance.log"
     if not path.exists():
         known = sorted(p.name for p in (sd.root / "instances").glob("*")) if (sd.root / "instances").exists() else []

@@ -395,6 +395,16 @@ def test_logs_and_status(orch_run):
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and "7" in out.stderr, out.stderr
 
+    out = run.cli("logs", "0", *sd, "--lines", "-1")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # `logs ID | head`: the reader going away is no error and no traceback (read end closed
+    # before the command writes, so every run really hits EPIPE).
+    closed = subprocess.Popen([sys.executable, "-m", "orchestrator", "logs", "0", *sd, "--lines", "100000"],
+                              env=run.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    closed.stdout.close()
+    stderr = closed.stderr.read().decode()
+    assert closed.wait(30) == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
     # -f follows: a restart of instance 0 writes new lines (stop, exit code, new launch)
     follow = subprocess.Popen([sys.executable, "-m", "orchestrator", "logs", "0", *sd, "-f", "--lines", "5"],
                               env=run.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
