@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (GENERATE, pct, SideEmbedded, SideNginx, body, machine, med, mixed_bodies,
+from bench.common import (GENERATE, RESULTS, pct, SideEmbedded, SideNginx, body, machine, med, mixed_bodies,
                           run_load, table, use_uvloop, write_result)
 from tests.harness import DEMO_REPO, Run
 
@@ -154,7 +154,9 @@ def scenario_small(rounds: int, c16_s: float, c1_s: float, profile: bool) -> dic
             "embuvloop_over_nginx_rps_c16": _ratio(out["c16"], "emb-uvloop", "nginx", "rps", "/"),
         }
         if profile:
-            prof = Path(tempfile.mkdtemp(prefix="bench-prof-")) / "embedded-daemon"
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            prof = RESULTS / f"proxy_bench-{stamp}-embedded-daemon"
             svg = _profile(int(st["daemon"]["pid"]), 8, prof, run.url(GENERATE), 16)
             out["profile"] = {"svg": svg, "raw": str(prof.with_suffix(".txt"))}
     finally:
