@@ -73,8 +73,10 @@ class NotifyListener:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(path))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the kernel names each sender
         self.sock.settimeout(0.1)
         self.messages: list[tuple[float, list[str]]] = []
+        self.senders: set[int] = set()
         self.on_ready = on_ready
         self.ready_result = None
         self.ready_error: BaseException | None = None
@@ -85,9 +87,12 @@ class NotifyListener:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                data = self.sock.recv(65536)
+                data, anc, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(12))
             except socket.timeout:
                 continue
+            for level, kind, cred in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    self.senders.add(int.from_bytes(cred[:4], sys.byteorder))
             lines = data.decode().splitlines()
             self.messages.append((time.monotonic(), lines))
             if "READY=1" in lines and self.on_ready is not None and self.ready_result is None:
@@ -152,6 +157,7 @@ def test_sd_notify_ready_watchdog_status_stopping(orch_run, tmp_path):
         assert code == 200 and body["text_output"]
         t_ready = listener.times("READY=1")[0]
         assert run.status()["ready"] == 2
+        daemon_pid = run.status()["daemon"]["pid"]
         time.sleep(3.0)  # ~6 watchdog periods while serving
         out = run.down()
         assert out.returncode == 0, out.stderr
@@ -189,6 +195,8 @@ def test_sd_notify_ready_watchdog_status_stopping(orch_run, tmp_path):
         assert extends and extends[0] < t_ready, (startup_s, msgs[:5])
     assert all(t <= t_ready for t in extends), "EXTEND_TIMEOUT_USEC after READY=1"
     assert all(int(v) >= 30_000_000 for v in listener.values("EXTEND_TIMEOUT_USEC="))
+    # Only the daemon itself speaks (the unit has NotifyAccess=main: systemd drops the rest).
+    assert listener.senders == {daemon_pid}, (listener.senders, daemon_pid)
     assert tagged(run.state_dir) == []
     assert started < msgs[0][0]
 
@@ -216,6 +224,7 @@ class Load:
     def __init__(self, url: str, threads: int = 2):
         self.url = url
         self.ok = 0
+        self.done_at: list[float] = []  # wall clock, comparable with the daemon log's stamps
         self.failed: list[str] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(n,), daemon=True) for n in range(threads)]
@@ -230,6 +239,7 @@ class Load:
                 code, body = post(self.url, gen_body(f"load {n} {i}", 2), timeout=30)
                 if code == 200 and body.get("text_output"):
                     self.ok += 1
+                    self.done_at.append(time.time())
                 else:
                     self.failed.append(f"{code} {body}")
             except Exception as exc:  # noqa: BLE001
@@ -281,7 +291,7 @@ def _never_both_down_in_log(log_text: str, since: float) -> list[tuple]:
     return bad
 
 
-def _rolling(run, trigger, expect_restarts: int) -> None:
+def _rolling(run, trigger, expect_restarts: int, load: "Load") -> None:
     before = run.status()
     old = pids_of(before)
     since = time.time() - 1  # log stamps have ms resolution; the log is the daemon's own clock
@@ -306,6 +316,13 @@ def _rolling(run, trigger, expect_restarts: int) -> None:
     seq = [(inst, new) for stamp, inst, _, new, _ in transitions(run.daemon_log()) if stamp >= since]
     stops = [inst for inst, st in seq if st == "STOPPING"]
     assert stops == ["0", "1"], seq
+    # The load really ran through both restarts: answers while each instance was out.
+    log = [(stamp, inst, new) for stamp, inst, _, new, _ in transitions(run.daemon_log()) if stamp >= since]
+    for inst_id in ("0", "1"):
+        out_at = next(t for t, i, st in log if i == inst_id and st == "STOPPING")
+        back_at = next(t for t, i, st in log if i == inst_id and st == "READY" and t > out_at)
+        served = [t for t in load.done_at if out_at < t < back_at]
+        assert served, f"no request answered while instance {inst_id} restarted ({back_at - out_at:.2f}s)"
 
 
 def test_rolling_restart_under_load_reload_and_sighup(orch_run):
@@ -314,11 +331,11 @@ def test_rolling_restart_under_load_reload_and_sighup(orch_run):
     try:
         time.sleep(1.0)
         assert load.ok > 0, load.failed[:3]
-        _rolling(run, lambda: run.cli("reload", "--state-dir", str(run.state_dir), check=True), 1)
+        _rolling(run, lambda: run.cli("reload", "--state-dir", str(run.state_dir), check=True), 1, load)
         ok_after_reload = load.ok
         assert not load.failed, load.failed[:5]
         daemon_pid = run.status()["daemon"]["pid"]
-        _rolling(run, lambda: os.kill(daemon_pid, signal.SIGHUP), 2)
+        _rolling(run, lambda: os.kill(daemon_pid, signal.SIGHUP), 2, load)
         time.sleep(0.5)
         assert load.ok > ok_after_reload
     finally:
