@@ -348,14 +348,19 @@ def test_rolling_restart_under_load_reload_and_sighup(orch_run):
 
 
 def test_reload_while_rolling_is_refused(orch_run):
-    run = orch_run(env_extra={"DEMO_TOKEN_DELAY_MS": "5"}).start()
-    first = run.cli("reload", "--state-dir", str(run.state_dir))
-    assert first.returncode == 0, first.stderr
-    second = run.cli("reload", "--state-dir", str(run.state_dir))
-    if run.status()["daemon"]["rolling_restart"] or second.returncode != 0:
-        assert second.returncode != 0 and len(second.stderr.strip().splitlines()) == 1, second
+    from orchestrator.control import call_sync
+    run = orch_run().start()
+    sock = run.state_dir / "control.sock"
+    assert call_sync(sock, "POST", "/reload")[0] == 202
+    code, body = call_sync(sock, "POST", "/reload")  # milliseconds later: the first one still runs
+    assert code == 409 and "already running" in body["error"], body
+    out = run.cli("reload", "--state-dir", str(run.state_dir))  # CLI: refused while it runs, one line
+    if out.returncode != 0:
+        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "already running" in out.stderr
     run.wait_for(lambda s: all(i["restarts"] >= 1 and i["state"] == "READY" for i in s["instances"])
                  and not s["daemon"]["rolling_restart"], 120, "rolling restart")
+    assert run.daemon_log().count("rolling restart done") == (1 if out.returncode else 2)
 
 
 # --- 3 + 4. logs and status ----------------------------------------------------------------
