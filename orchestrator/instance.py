@@ -43,6 +43,8 @@ log = logging.getLogger("trtllm-orch")
 _ERROR_LINE = re.compile(r"(<std(?:out|err)>:\s*|^)E\d{4} |Traceback|Error|error:|failed to load|"
                          r"Exception|exited with code [^0]")
 
+_DAEMON_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
+
 # Grace for the survivors of a group that already failed (see _stop_group).
 # 0.3 s: on the H200 acceptance run a 1 s grace was spent in full on every restart
 # (GPUs free after 0.2 s, relaunch after 1.2 s); a broken TP group has nothing to drain.
@@ -202,6 +204,8 @@ class Instance:
                         self._move(State.STOPPED, "stopped")  # FAILED -> STOPPED
                     return
                 self.policy.reset()
+                if self.state == State.FAILED:
+                    self.restarts += 1  # a relaunch like any other, so `status` counts it
                 pending_start = "restart requested"
             # STOPPED/FAILED/BACKOFF/STOPPING -> STARTING
             self._move(State.STARTING, pending_start)
@@ -267,7 +271,9 @@ class Instance:
         if self._log is None:
             self._log = RotatingLog(self.dir / "instance.log", self._s.log_max_bytes, self._s.log_backups)
         self._log.note("launch: " + cmd.shell_text())
-        env = {**os.environ, **cmd.env}
+        # systemd's notify/watchdog variables are the daemon's alone (NotifyAccess=main).
+        env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
+        env.update(cmd.env)
         self.started_at = time.monotonic()
         try:
             proc = await self._shared.ops.spawn(cmd.argv, env, None)
