@@ -18,7 +18,7 @@ import os
 
 import psutil
 
-from .launcher.process_tree import OsOps, same_process, stop_processes, tagged_processes
+from .launcher.process_tree import OsOps, alive, same_process, stop_processes, tagged_processes
 from .statedir import StateDir
 
 log = logging.getLogger("trtllm-orch")
@@ -39,6 +39,8 @@ def leftover_processes(sd: StateDir) -> list[psutil.Process]:
         try:
             proc = psutil.Process(pid)
         except psutil.Error:
+            continue
+        if not alive(proc):  # a zombie is dead; only its parent (maybe init) can reap it
             continue
         # Without a start time (nginx) we accept only a process that is one of ours by name.
         if created is not None and same_process(pid, created):

@@ -36,6 +36,14 @@ def environ(pid: int) -> dict[str, str]:
     return psutil.Process(pid).environ()
 
 
+def running(pid: int) -> bool:
+    """Exists and is not a zombie (init here does not reap orphans at once)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def is_loopback(ip: str) -> bool:
     addr = ipaddress.ip_address(ip)
     mapped = getattr(addr, "ipv4_mapped", None)  # gRPC listens on ::ffff:127.0.0.1
@@ -61,8 +69,7 @@ def test_up_two_tp2_instances_then_down_leaves_nothing(orch_run):
     daemon = psutil.Process(status["daemon"]["pid"])
     mpiruns = [c for c in daemon.children() if c.name() in ("mpirun", "prterun", "mpiexec")]
     assert len(mpiruns) == 2, [c.name() for c in daemon.children()]
-    ranks = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "tritonserver"
-             and p.environ().get("TRTLLM_ORCH_STATE_DIR") == str(run.state_dir)]
+    ranks = [p for p in tagged(run.state_dir) if p.name() == "tritonserver"]
     assert len(ranks) == 4
     by_instance = {}
     for rank in ranks:
@@ -91,8 +98,7 @@ def test_up_two_tp2_instances_then_down_leaves_nothing(orch_run):
     assert out.returncode == 0, out.stderr
     assert run.proc.wait(timeout=30) == 0
     assert tagged(run.state_dir) == []
-    assert not any(psutil.pid_exists(p.pid) and p.status() != psutil.STATUS_ZOMBIE
-                   for p in mpiruns if psutil.pid_exists(p.pid))
+    assert not any(running(p.pid) for p in mpiruns)
     assert all(port_free(p) for p in all_ports + [run.listen_port, run.grpc_port])
     assert not (run.state_dir / "state.json").exists()
 
@@ -108,7 +114,7 @@ def test_sigkill_daemon_then_down_leaves_no_orphan(orch_run):
     assert out.returncode == 0, out.stderr
     # Whether the kernel's parent-death signal or `down`'s sweep got them, none may be left.
     time.sleep(0.2)
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in pids if running(p)]
     assert alive == []
     assert tagged(run.state_dir) == []
 
@@ -121,7 +127,7 @@ def test_sigkill_daemon_next_up_reaps_and_serves(orch_run):
     run.start()  # same state dir, same ports: must sweep the old run first
     new = {p for inst in run.status()["instances"] for p in inst["pids"]}
     assert not (old & new)
-    alive_old = [p for p in old if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive_old = [p for p in old if running(p)]
     assert alive_old == []
 
 

@@ -75,7 +75,8 @@ class OsOps:
             pass
 
 
-def _alive(proc: psutil.Process) -> bool:
+def alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie holds no resources, only a pid)."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -97,7 +98,7 @@ def tagged_processes(state_dir: str, instance_id: str | None = None) -> list[psu
             continue
         if instance_id is not None and env.get(ENV_INSTANCE) != instance_id:
             continue
-        if _alive(proc):
+        if alive(proc):
             found.append(proc)
     return found
 
@@ -126,7 +127,7 @@ async def stop_processes(procs: Iterable[psutil.Process], grace_s: float, ops: O
     `rescan` (optional) returns processes that appeared meanwhile (a rank forked
     a stub while we were stopping): they are added before the final check.
     """
-    live = {p.pid: p for p in procs if _alive(p)}
+    live = {p.pid: p for p in procs if alive(p)}
     for pgid in pgids:
         ops.killpg(pgid, first_signal)
     for proc in live.values():
@@ -137,7 +138,7 @@ async def stop_processes(procs: Iterable[psutil.Process], grace_s: float, ops: O
         if rescan is not None:
             for p in rescan():
                 live.setdefault(p.pid, p)
-        live = {pid: p for pid, p in live.items() if _alive(p)}
+        live = {pid: p for pid, p in live.items() if alive(p)}
         if not live:
             return killed
         if time.monotonic() >= deadline:
@@ -157,7 +158,7 @@ async def stop_processes(procs: Iterable[psutil.Process], grace_s: float, ops: O
                 if p.pid not in live:
                     ops.kill(p.pid, signal.SIGKILL)
                     live[p.pid] = p
-        live = {pid: p for pid, p in live.items() if _alive(p)}
+        live = {pid: p for pid, p in live.items() if alive(p)}
         if not live:
             break
         await asyncio.sleep(0.02)
