@@ -174,10 +174,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_listen_ports(settings: cfg.Settings, plan) -> None:
+def _check_listen_ports(settings: cfg.Settings, plan, sd) -> None:
     from .launcher.ports import taken_ports
+    from .reaper import leftover_processes
+    # A SIGKILLed predecessor may still hold our ports: those are not strangers. Only the
+    # daemon sweeps them, under its lock, so a racing `up` can never lose its processes.
+    ours = frozenset(p.pid for p in leftover_processes(sd)) if sd.root.exists() else frozenset()
     for inst in plan.instances:
-        busy = taken_ports(inst.bind_address, inst.ports.all())
+        busy = taken_ports(inst.bind_address, inst.ports.all(), ours)
         if busy:
             raise UsageError("--base-port", settings.base_port,
                              f"instance {inst.instance_id} port(s) in use: {', '.join(busy)}")
@@ -209,13 +213,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if holder:
         raise OrchError(f"a daemon (pid {holder}) already runs with state dir {sd.root}; "
                         "`trtllm-orch down` stops it")
-    # A SIGKILLed predecessor may still hold our ports for a moment: sweep it first,
-    # so the port check below sees only strangers.
-    if sd.root.exists():
-        from .launcher.process_tree import OsOps
-        from .reaper import sweep_leftovers
-        asyncio.run(sweep_leftovers(sd, OsOps(), settings.stop_grace_s))
-    _check_listen_ports(settings, prepared.plan)
+    _check_listen_ports(settings, prepared.plan, sd)
     if settings.detach:
         from .detach import run_detached
         return run_detached(sys.argv[1:], settings, sd)

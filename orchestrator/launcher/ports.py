@@ -38,11 +38,19 @@ def port_holder(port: int) -> str:
     return ""
 
 
-def taken_ports(host: str, ports: tuple[int, ...]) -> list[str]:
-    """One description per taken port, e.g. '8000 (held by pid 12 (nginx))'."""
+def taken_ports(host: str, ports: tuple[int, ...], ignore_pids: frozenset[int] = frozenset()) -> list[str]:
+    """One description per taken port, e.g. '8000 (held by pid 12 (nginx))'.
+
+    A port held only by `ignore_pids` (leftovers the daemon will sweep under its
+    lock before it launches) does not count as taken.
+    """
     out = []
     for port in ports:
         if not port_is_free(host, port):
+            if ignore_pids:
+                holders = listening_pids((port,))
+                if holders and holders <= ignore_pids:
+                    continue
             holder = port_holder(port)
             out.append(f"{port} (held by {holder})" if holder else str(port))
     return out
