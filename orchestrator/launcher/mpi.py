@@ -35,12 +35,6 @@ class MpiFlavour:
         # run tag included); -prepend-rank tags output so `logs --rank N` can split it.
         return ["-genvall", "-prepend-rank"]
 
-    def rank_tag_prefix(self, rank: int) -> tuple[str, ...]:
-        """Line prefixes that mark one rank's output (for `logs --rank`)."""
-        if self.name == "openmpi":
-            return (f"[1,{rank}]<stdout>:", f"[1,{rank}]<stderr>:", f",{rank}]<stdout>:", f",{rank}]<stderr>:")
-        return (f"[{rank}] ",)
-
 
 def find_mpirun(explicit: str) -> str:
     if explicit:
