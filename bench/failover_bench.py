@@ -46,10 +46,9 @@ from typing import Any
 import psutil
 
 from bench.common import GENERATE, body, machine, med, run_load, table, use_uvloop, write_result
-from tests.harness import Run, transitions
+from tests.harness import Run, log_times, transitions
 
 _NGINX_UPSTREAM_ERR = re.compile(r"upstream|connect\(\) failed")
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 def rank0_pid(run: Run, instance: str = "0") -> int | None:
@@ -68,19 +67,6 @@ def rank0_pid(run: Run, instance: str = "0") -> int | None:
         except (psutil.Error, OSError):
             continue
     return None
-
-
-def _log_lines_after(text: str, t: float, needle: str) -> list[float]:
-    import datetime as _dt
-    out = []
-    for line in text.splitlines():
-        if needle in line:
-            m = _STAMP.match(line)
-            if m:
-                ts = _dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                if ts >= t - 0.005:
-                    out.append(ts)
-    return out
 
 
 def _retries(run: Run) -> float:
@@ -140,7 +126,7 @@ async def _mode(mode: str, kills: int, concurrency: int) -> dict[str, Any]:
             row["overhead_s"] = round(row["ready_s"] - row["startup_s"], 3) \
                 if row["ready_s"] is not None and row["startup_s"] is not None else None
             if mode == "nginx":
-                rel = _log_lines_after(log, t_kill, "nginx reloaded")
+                rel = log_times(log, "nginx reloaded", t_kill)
                 row["nginx_reload_s"] = round(rel[0] - t_kill, 3) if rel else None
             out["kills"].append(row)
             print(f"  [{mode} kill {k + 1}] pid {pid}: leave {row['leave_s']} s, READY {row['ready_s']} s, "
@@ -154,7 +140,7 @@ async def _mode(mode: str, kills: int, concurrency: int) -> dict[str, Any]:
         out["load"] = res.summary()
         kill_ts = [r["t_kill"] for r in out["kills"]]
         log = run.daemon_log()
-        reload_ts = _log_lines_after(log, kill_ts[0], "nginx reloaded") if mode == "nginx" else []
+        reload_ts = log_times(log, "nginx reloaded", kill_ts[0]) if mode == "nginx" else []
         out["failures"] = []
         for t in res.failures_at:
             k = max((i for i, kt in enumerate(kill_ts) if kt <= t), default=None)

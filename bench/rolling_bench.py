@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import GENERATE, body, machine, run_load, table, use_uvloop, write_result
-from bench.failover_bench import _log_lines_after
-from tests.harness import Run, transitions
+from tests.harness import Run, log_times, transitions
 
 
 async def _bench(concurrency: int) -> dict[str, Any]:
@@ -62,8 +61,8 @@ async def _bench(concurrency: int) -> dict[str, Any]:
         res = await load_task
         load_task = None
         log = run.daemon_log()
-        started = _log_lines_after(log, t_reload, "rolling restart (")
-        done = _log_lines_after(log, t_reload, "rolling restart done")
+        started = log_times(log, "rolling restart (", t_reload)
+        done = log_times(log, "rolling restart done", t_reload)
         out["reload_duration_s_daemon_log"] = round(done[0] - started[0], 3) if started and done else None
         out["reload_duration_s_client"] = round(t_done_client - t_reload, 3)
         per = []

@@ -12,13 +12,12 @@ alternate the two layouts; medians are reported and the ratio is taken per round
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import tempfile
 import time
 from pathlib import Path
 
 from bench.common import med, table, write_result
-from tests.harness import Run, transitions
+from tests.harness import Run, log_times, transitions
 
 LAYOUTS = {"1 x TP2": dict(gpus="0-1", tp=2, assume_gpus=2), "2 x TP2": dict(gpus="0-3", tp=2, assume_gpus=4)}
 
@@ -32,8 +31,7 @@ def one(tmp: Path, name: str, layout: dict) -> dict:
         run.wait_ready(timeout=120)
         wall = time.monotonic() - t0
         log = run.daemon_log()
-        start_line = next(ln for ln in log.splitlines() if " daemon pid=" in ln)
-        t_daemon = dt.datetime.strptime(start_line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        t_daemon = log_times(log, " daemon pid=")[0]
         readies = [t for t, _, old, new, _ in transitions(log) if old == "STARTING" and new == "READY"]
         return {"daemon_to_all_ready_s": round(max(readies) - t_daemon, 3), "cli_wall_s": round(wall, 3)}
     finally:

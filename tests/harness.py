@@ -8,8 +8,10 @@ reported as a test failure rather than leaked into the next test.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,21 +180,35 @@ class Run:
         return [p.pid for p in leaked]
 
 
-_TRANSITION = None
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_TRANSITION = re.compile(r"^\S+ \S+ \w+ instance=(\S+) gpus=\S+ (\w+) -> (\w+): (.*)$")
+
+
+def log_stamp(line: str) -> float | None:
+    """Epoch seconds of a daemon log line (cli.setup_logging's asctime format), or None."""
+    m = _STAMP.match(line)
+    if not m:
+        return None
+    return datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def log_times(log_text: str, needle: str, after: float = 0.0) -> list[float]:
+    """Timestamps of the daemon log lines containing `needle`, from `after` on."""
+    out = []
+    for line in log_text.splitlines():
+        if needle in line:
+            stamp = log_stamp(line)
+            if stamp is not None and stamp >= after - 0.005:
+                out.append(stamp)
+    return out
 
 
 def transitions(log_text: str) -> list[tuple[float, str, str, str, str]]:
     """(epoch seconds, instance, old state, new state, reason) from a daemon log."""
-    import datetime as _dt
-    import re as _re
-    global _TRANSITION
-    if _TRANSITION is None:
-        _TRANSITION = _re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ instance=(\S+) gpus=\S+ "
-                                  r"(\w+) -> (\w+): (.*)$")
     out = []
     for line in log_text.splitlines():
         m = _TRANSITION.match(line)
-        if m:
-            stamp = _dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            out.append((stamp, m.group(2), m.group(3), m.group(4), m.group(5)))
+        stamp = log_stamp(line) if m else None
+        if m and stamp is not None:
+            out.append((stamp, m.group(1), m.group(2), m.group(3), m.group(4)))
     return out
