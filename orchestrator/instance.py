@@ -34,7 +34,7 @@ from .launcher.ports import listening_pids, taken_ports
 from .launcher.process_tree import OsOps, process_tree, stop_processes, tagged_processes
 from .plan import InstancePlan
 from .proxy.backends import Backend
-from .states import RESTING_STATES, SERVING_STATES, State, check_transition
+from .states import SERVING_STATES, State, check_transition
 from .statedir import StateDir
 
 log = logging.getLogger("trtllm-orch")
