@@ -151,3 +151,12 @@ def test_skip_on_failure_sequence():
     assert second.instance_id != first.instance_id
     # the next request avoids the failed instance too (cool-down)
     assert all(b.pick(B).instance_id != first.instance_id for _ in range(50))
+
+
+def test_every_configurable_policy_exists():
+    # config.LB_POLICIES are the flag's choices, POLICIES what the balancer can run.
+    from orchestrator.config import LB_POLICIES
+    from orchestrator.proxy.balancer import POLICIES
+    assert set(LB_POLICIES) == set(POLICIES)
+    for name in LB_POLICIES:
+        assert Balancer(name).pick(B) is not None

@@ -1,7 +1,9 @@
-"""Routing policies: which ready instance gets the next attempt. Pure logic.
+"""Routing: which ready instance gets the next attempt. Pure logic, shared by the
+embedded HTTP proxy and the gRPC proxy.
 
 The daemon owns readiness (`ReadyBackends`); this module only chooses among
-the instances it is handed. It keeps two pieces of proxy-local state:
+the instances it is handed. `Balancer` keeps the proxy-local state every policy
+shares, and a `Policy` only chooses:
 
 - in-flight counts per instance, for least-outstanding and for `status`;
 - a short cool-down after a connect failure. Until the daemon's health checks
@@ -9,15 +11,19 @@ the instances it is handed. It keeps two pieces of proxy-local state:
   (a refused connection leaves its in-flight count at zero, so least-outstanding
   would love it). A cooling instance is still used when nothing else is left:
   the cool-down deprioritises, it never ejects; ejecting is the daemon's call.
+
+A new policy (prefix affinity, KV-cache aware) is a class with `choose` added to
+POLICIES, and its name to config.LB_POLICIES (the flag's choices); what it needs to know about the
+request would travel as a new keyword of `pick`, passed on to `choose`.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Protocol
 
-from ..config import LB_POLICIES
 from .backends import Backend
 
 LEAST_OUTSTANDING = "least-outstanding"
@@ -25,21 +31,83 @@ ROUND_ROBIN = "round-robin"
 DEFAULT_COOLDOWN_S = 1.0
 
 
+class Policy(Protocol):
+    def choose(self, backends: Sequence[Backend], skip: Collection[str],
+               inflight: Mapping[str, int]) -> Backend | None:
+        """One of `backends` whose instance_id is not in `skip`, or None if there is none.
+
+        `backends` is the whole ready set in a stable order (by instance id), so a
+        policy may keep positions in it across calls.
+        """
+
+
+class LeastOutstanding:
+    """Fewest requests in flight; ties broken at random so equal instances share load."""
+
+    __slots__ = ("_rng",)
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, backends: Sequence[Backend], skip: Collection[str],
+               inflight: Mapping[str, int]) -> Backend | None:
+        best: list[Backend] = []
+        best_n = -1
+        for b in backends:
+            iid = b.instance_id
+            if iid in skip:
+                continue
+            n = inflight.get(iid, 0)
+            if best_n < 0 or n < best_n:
+                best = [b]
+                best_n = n
+            elif n == best_n:
+                best.append(b)
+        if not best:
+            return None
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+
+class RoundRobin:
+    """Each instance in turn, ignoring load; skipped ones keep their place in the rotation."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self, rng: random.Random) -> None:
+        self._next = 0
+
+    def choose(self, backends: Sequence[Backend], skip: Collection[str],
+               inflight: Mapping[str, int]) -> Backend | None:
+        n = len(backends)
+        start = self._next
+        for i in range(n):
+            b = backends[(start + i) % n]
+            if b.instance_id not in skip:
+                self._next = (start + i + 1) % n
+                return b
+        return None
+
+
+POLICIES: dict[str, Callable[[random.Random], Policy]] = {
+    LEAST_OUTSTANDING: LeastOutstanding,
+    ROUND_ROBIN: RoundRobin,
+}
+
+
 class Balancer:
-    __slots__ = ("policy", "inflight", "_rng", "_clock", "_cooldown_s", "_cooling", "_rr")
+    __slots__ = ("policy", "inflight", "_choose", "_clock", "_cooldown_s", "_cooling")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  cooldown_s: float = DEFAULT_COOLDOWN_S) -> None:
-        if policy not in LB_POLICIES:
-            raise ValueError(f"lb_policy={policy!r}: must be one of {', '.join(LB_POLICIES)}")
+        if policy not in POLICIES:
+            raise ValueError(f"lb_policy={policy!r}: must be one of {', '.join(POLICIES)}")
         self.policy = policy
         self.inflight: dict[str, int] = {}
-        self._rng = rng or random.Random()
+        self._choose = POLICIES[policy](rng or random.Random()).choose
         self._clock = clock
         self._cooldown_s = cooldown_s
         self._cooling: dict[str, float] = {}  # instance_id -> monotonic time the cool-down ends
-        self._rr = 0
 
     # --- choice ----------------------------------------------------------------
     def pick(self, backends: Sequence[Backend], exclude: Collection[str] = ()) -> Backend | None:
@@ -52,54 +120,13 @@ class Balancer:
             for iid, until in list(cooling.items()):
                 if until <= now:
                     del cooling[iid]
-        if self.policy == ROUND_ROBIN:
-            return self._round_robin(backends, exclude, cooling)
-        return self._least_outstanding(backends, exclude, cooling)
-
-    def _least_outstanding(self, backends: Sequence[Backend], exclude: Collection[str],
-                           cooling: dict[str, float]) -> Backend | None:
-        inflight = self.inflight
-        best: list[Backend] = []
-        best_n = -1
-        fallback: list[Backend] = []
-        for b in backends:
-            iid = b.instance_id
-            if iid in exclude:
-                continue
-            if cooling and iid in cooling:
-                fallback.append(b)
-                continue
-            n = inflight.get(iid, 0)
-            if best_n < 0 or n < best_n:
-                best = [b]
-                best_n = n
-            elif n == best_n:
-                best.append(b)
-        if not best:
-            if not fallback:
-                return None
-            return self._least_outstanding(fallback, (), {})
-        return best[0] if len(best) == 1 else self._rng.choice(best)
-
-    def _round_robin(self, backends: Sequence[Backend], exclude: Collection[str],
-                     cooling: dict[str, float]) -> Backend | None:
-        n = len(backends)
-        start = self._rr
-        fallback: Backend | None = None
-        for i in range(n):
-            b = backends[(start + i) % n]
-            iid = b.instance_id
-            if iid in exclude:
-                continue
-            if cooling and iid in cooling:
-                if fallback is None:
-                    fallback = b
-                continue
-            self._rr = (start + i + 1) % n
-            return b
-        if fallback is not None:
-            self._rr = (backends.index(fallback) + 1) % n
-        return fallback
+        if not cooling:
+            return self._choose(backends, exclude, self.inflight)
+        # Cooling instances only when nothing else is left.
+        chosen = self._choose(backends, cooling.keys() | set(exclude), self.inflight)
+        if chosen is None:
+            chosen = self._choose(backends, exclude, self.inflight)
+        return chosen
 
     # --- bookkeeping -------------------------------------------------------------
     def acquire(self, instance_id: str) -> None:

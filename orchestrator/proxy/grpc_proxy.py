@@ -5,7 +5,8 @@ handler looks the method up in Triton's method table, picks a ready instance and
 replays the call on one long-lived channel per instance. Only
 `inference.GRPCInferenceService` is served; every other method is UNIMPLEMENTED, and
 the admin half of Triton's API (load/unload, shared memory, trace, logging, config,
-stats) is PERMISSION_DENIED unless `--allow-admin`.
+stats) is PERMISSION_DENIED unless `--allow-admin`. Both method tables come from
+`surface.py`; instances are chosen by the same `Balancer` as the HTTP proxy's.
 
 Retries follow what Envoy and NGINX treat as safe: a unary call is retried on another
 instance when it fails with UNAVAILABLE (for a unary call nothing has reached the client
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -29,21 +29,8 @@ import grpc.aio
 from ..config import Settings
 from ..errors import OrchError
 from .backends import Backend, ReadyBackends
-
-SERVICE = "inference.GRPCInferenceService"
-
-# Triton's method table. Everything is unary-unary except ModelStreamInfer (bidi).
-PUBLIC_METHODS = frozenset({
-    "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-    "ModelInfer", "ModelStreamInfer",
-})
-ADMIN_METHODS = frozenset({
-    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
-    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
-    "TraceSetting", "LogSettings", "ModelConfig", "ModelStatistics",
-})
-STREAMING_METHODS = frozenset({"ModelStreamInfer"})
+from .balancer import Balancer
+from .surface import ADMIN_GRPC_METHODS, GRPC_SERVICE, PUBLIC_GRPC_METHODS, STREAMING_GRPC_METHODS
 
 # Request metadata that belongs to this hop, not to the call: HTTP/2 pseudo headers
 # (':'-prefixed), gRPC's own keys (grpc-timeout is re-derived from the deadline) and
@@ -106,8 +93,7 @@ class GrpcProxy:
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.grpc_proxy")
-        self._round_robin = settings.lb_policy == "round-robin"
-        self._rr_next = 0
+        self._balancer = Balancer(settings.lb_policy)
         self._max_attempts = settings.max_attempts
         size = settings.max_body_bytes
         self._channel_options = [
@@ -128,7 +114,6 @@ class GrpcProxy:
             ("grpc.so_reuseport", 0),
         ]
         self._upstreams: dict[str, _Upstream] = {}
-        self._inflight: dict[str, int] = {}
         self._retired: set[_Upstream] = set()  # left the ready set; closing once idle
         self._tasks: set[asyncio.Task[Any]] = set()  # their closes; owned here, ended in stop()
         self._server: grpc.aio.Server | None = None
@@ -176,7 +161,7 @@ class GrpcProxy:
 
     def inflight(self) -> dict[str, int]:
         counts = {b.instance_id: 0 for b in self._backends.current()}
-        counts.update((k, v) for k, v in self._inflight.items() if v)
+        counts.update(self._balancer.inflight)
         return counts
 
     # --- ready set -----------------------------------------------------------------
@@ -208,29 +193,18 @@ class GrpcProxy:
         return up
 
     def _pick(self, tried: set[str] | None) -> Backend | None:
-        ready = self._backends.current()
-        if tried:
-            ready = tuple(b for b in ready if b.instance_id not in tried)
-        if not ready:
-            return None
-        if len(ready) == 1:
-            return ready[0]
-        if self._round_robin:
-            self._rr_next += 1
-            return ready[self._rr_next % len(ready)]
-        inflight = self._inflight
-        best: list[Backend] = []
-        low = None
-        for b in ready:
-            n = inflight.get(b.instance_id, 0)
-            if low is None or n < low:
-                low, best = n, [b]
-            elif n == low:
-                best.append(b)
-        return best[0] if len(best) == 1 else random.choice(best)
+        # Unlike the HTTP proxy, never back to an instance this call already tried: a
+        # gRPC UNAVAILABLE may be the instance's own answer, and would be again.
+        return self._balancer.pick(self._backends.current(), tried or ())
+
+    def _answered(self, up: _Upstream) -> None:
+        up.failing = False
+        self._balancer.succeeded(up.backend.instance_id)
+        self._backends.report_success(up.backend.instance_id)
 
     def _on_unavailable(self, up: _Upstream, err: grpc.aio.AioRpcError) -> None:
         if up.transport_failed():
+            self._balancer.connect_failed(up.backend.instance_id)  # cool down: try others first
             if not up.failing:  # once per outage, not once per call
                 up.failing = True
                 self._log.warning("instance %s (%s) unreachable: %s", up.backend.instance_id,
@@ -249,11 +223,11 @@ class GrpcProxy:
     # --- handlers --------------------------------------------------------------------
     def _build_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         handlers: dict[str, grpc.RpcMethodHandler] = {}
-        for name in PUBLIC_METHODS | ADMIN_METHODS:
-            method = f"/{SERVICE}/{name}"
-            if name in ADMIN_METHODS and not self._settings.allow_admin:
+        for name in PUBLIC_GRPC_METHODS + ADMIN_GRPC_METHODS:
+            method = f"/{GRPC_SERVICE}/{name}"
+            if name in ADMIN_GRPC_METHODS and not self._settings.allow_admin:
                 handlers[method] = grpc.unary_unary_rpc_method_handler(_deny_admin)
-            elif name in STREAMING_METHODS:
+            elif name in STREAMING_GRPC_METHODS:
                 handlers[method] = grpc.stream_stream_rpc_method_handler(self._make_stream(method))
             else:
                 handlers[method] = grpc.unary_unary_rpc_method_handler(self._make_unary(method, name))
@@ -273,7 +247,7 @@ class GrpcProxy:
                 iid = backend.instance_id
                 up = self._upstream(backend)
                 timeout, ours = self._timeout(context)
-                self._inflight[iid] = self._inflight.get(iid, 0) + 1
+                self._balancer.acquire(iid)
                 try:
                     # Awaiting the call cancels it upstream if this handler is cancelled
                     # (the client went away or its deadline passed).
@@ -292,9 +266,8 @@ class GrpcProxy:
                     await context.abort(code, err.details() or "",
                                         _forwardable(err.trailing_metadata()) or ())
                 finally:
-                    self._inflight[iid] -= 1
-                up.failing = False
-                self._backends.report_success(iid)
+                    self._balancer.release(iid)
+                self._answered(up)
                 return response
             # Nothing answered. The proxy itself is alive; it is "not ready" when no
             # instance is, which is an answer, not an error, for ServerReady.
@@ -334,7 +307,7 @@ class GrpcProxy:
             # and idle between requests for as long as they like.
             call = up.callable(method, True)(metadata=metadata, timeout=timeout)
             pump = asyncio.create_task(inbox.pump(call))
-            self._inflight[iid] = self._inflight.get(iid, 0) + 1
+            self._balancer.acquire(iid)
             try:
                 while True:
                     response = await call.read()
@@ -342,8 +315,7 @@ class GrpcProxy:
                         break
                     if not inbox.committed:
                         inbox.commit()
-                        up.failing = False
-                        self._backends.report_success(iid)
+                        self._answered(up)
                     await context.write(response)
                 return
             except grpc.aio.AioRpcError as err:
@@ -358,7 +330,7 @@ class GrpcProxy:
                 await context.abort(code, err.details() or "",
                                     _forwardable(err.trailing_metadata()) or ())
             finally:
-                self._inflight[iid] -= 1
+                self._balancer.release(iid)
                 pump.cancel()
                 call.cancel()  # no-op when finished; stops the upstream when the client left
         if last is not None:

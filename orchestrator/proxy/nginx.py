@@ -32,6 +32,7 @@ from ..config import Settings, parse_host_port
 from ..errors import EnvironmentProblem, OrchError
 from ..templates import render
 from .backends import Backend, ReadyBackends
+from .surface import admin_regexes
 
 TEMPLATE = "nginx.conf.j2"
 CONF_NAME = "nginx.conf"
@@ -83,6 +84,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         grpc_servers=[_addr(b.host, b.grpc_port) for b in backends],
         trusted_proxies=list(settings.trusted_proxy),
         allow_admin=settings.allow_admin,
+        admin=admin_regexes(),
         max_body_bytes=settings.max_body_bytes,
         # nginx caps connect timeouts at 75 s.
         connect_timeout_ms=min(_ms(settings.connect_timeout_s), 75_000),
