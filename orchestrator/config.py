@@ -11,12 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (NVIDIA's Triton containers): the same parser from PyPI
+    import tomli as tomllib
 
 LB_POLICIES = ("least-outstanding", "round-robin")
 PROXY_MODES = ("embedded", "nginx", "none")

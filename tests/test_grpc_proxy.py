@@ -396,12 +396,13 @@ async def test_stream_infer_receives_every_response(tritons, proxy_factory):
 
     try:
         # The aio client ignores enable_empty_final_response: count responses instead.
-        async with asyncio.timeout(30):
+        async def receive() -> None:
             async for result, error in client.stream_infer(requests()):
                 assert error is None, error
                 received[result.get_response().id].append(int(result.as_numpy("OUT")[0]))
                 if sum(map(len, received.values())) == sum(counts.values()):
                     all_done.set()
+        await asyncio.wait_for(receive(), 30)  # not asyncio.timeout: Python 3.10
     finally:
         await client.close()
     assert received == {k: list(range(n)) for k, n in counts.items()}
@@ -565,12 +566,13 @@ async def test_stream_retried_before_first_response(tritons, proxy_factory):
 
         got = []
         try:
-            async with asyncio.timeout(30):
+            async def receive() -> None:
                 async for result, error in client.stream_infer(requests()):
                     assert error is None, error
                     got.append(int(result.as_numpy("OUT")[0]))
                     if len(got) == 4:
                         done.set()
+            await asyncio.wait_for(receive(), 30)  # not asyncio.timeout: Python 3.10
         finally:
             await client.close()
         assert got == [0, 1, 2, 3]

@@ -72,9 +72,10 @@ class Harness:
         return out
 
     async def until(self, predicate, timeout: float = 10.0) -> None:
-        async with asyncio.timeout(timeout):
+        async def poll() -> None:
             while not predicate():
                 await asyncio.sleep(0.005)
+        await asyncio.wait_for(poll(), timeout)  # not asyncio.timeout: Python 3.10
 
 
 FAILED_PATH = [State.STARTING, State.STOPPING, State.BACKOFF,

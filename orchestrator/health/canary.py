@@ -27,14 +27,16 @@ async def run_canary(session: aiohttp.ClientSession, base_url: str, model: str, 
     """POST /v2/models/{model}/generate; ok iff 200 and the reply is JSON, within deadline_s."""
     path = model_path(model, "generate")
     start = time.monotonic()
+
+    async def post() -> tuple[int, bytes]:
+        async with session.post(base_url.rstrip("/") + path, json=body, allow_redirects=False) as resp:
+            return resp.status, await resp.read()
+
     try:
-        async with asyncio.timeout(deadline_s):
-            async with session.post(base_url.rstrip("/") + path, json=body, allow_redirects=False) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    return ProbeResult(False, status_reason("POST", path, resp.status, raw),
-                                       time.monotonic() - start)
-    except TimeoutError:
+        status, raw = await asyncio.wait_for(post(), deadline_s)  # not asyncio.timeout: Python 3.10
+        if status != 200:
+            return ProbeResult(False, status_reason("POST", path, status, raw), time.monotonic() - start)
+    except asyncio.TimeoutError:  # before OSError: on 3.11+ it is the builtin TimeoutError
         return ProbeResult(False, f"POST {path}: timeout after {deadline_s:g}s", time.monotonic() - start)
     except (aiohttp.ClientError, OSError) as exc:
         return ProbeResult(False, describe_error("POST", path, exc), time.monotonic() - start)

@@ -63,20 +63,25 @@ async def probe_instance(session: aiohttp.ClientSession, base_url: str, model: s
     paths = ("/v2/health/live", "/v2/health/ready", model_path(model, "ready"))
     start = time.monotonic()
     path = paths[0]
+
+    async def walk() -> ProbeResult | None:
+        nonlocal path
+        for path in paths:
+            async with session.get(base + path, allow_redirects=False) as resp:
+                # Read the body so the connection goes back to the pool for the next probe.
+                body = await resp.read()
+                if resp.status != 200:
+                    return ProbeResult(False, status_reason("GET", path, resp.status, body),
+                                       time.monotonic() - start)
+        return None
+
     try:
-        async with asyncio.timeout(timeout_s):
-            for path in paths:
-                async with session.get(base + path, allow_redirects=False) as resp:
-                    # Read the body so the connection goes back to the pool for the next probe.
-                    body = await resp.read()
-                    if resp.status != 200:
-                        return ProbeResult(False, status_reason("GET", path, resp.status, body),
-                                           time.monotonic() - start)
-    except TimeoutError:
+        failed = await asyncio.wait_for(walk(), timeout_s)  # not asyncio.timeout: Python 3.10
+    except asyncio.TimeoutError:  # before OSError: on 3.11+ it is the builtin TimeoutError
         return ProbeResult(False, f"GET {path}: timeout after {timeout_s:g}s", time.monotonic() - start)
     except (aiohttp.ClientError, OSError) as exc:
         return ProbeResult(False, describe_error("GET", path, exc), time.monotonic() - start)
-    return ProbeResult(True, "", time.monotonic() - start)
+    return failed or ProbeResult(True, "", time.monotonic() - start)
 
 
 async def wait_until_ready(session: aiohttp.ClientSession, base_url: str, model: str, deadline_s: float,
