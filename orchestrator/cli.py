@@ -203,7 +203,7 @@ def setup_logging(level: str) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from .daemon import Daemon
+    from .daemon import Daemon, Launchable
     from .statedir import StateDir
 
     settings = _settings_from(args)
@@ -218,18 +218,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         from .detach import run_detached
         return run_detached(sys.argv[1:], settings, sd)
     setup_logging(settings.log_level)
-    gpu_holders = None
+    gpu_holders = gpu_usage = None
     if prepared.gpus_from_nvml:
-        from .gpus import gpu_holders
+        from .gpus import gpu_holders, gpu_usage
 
-    def reload_settings() -> cfg.Settings:
-        new = _settings_from(args) if args.config else settings
-        # Validate the new plan now, so a broken config is rejected before anything restarts.
-        prepare(new, for_launch=True)
-        return new
+    def reload_config() -> Launchable:
+        # The config file as it is now, with this command's flags on top, validated in
+        # full (a new plan, mpirun and tritonserver found) before anything restarts.
+        new = prepare(_settings_from(args), for_launch=True)
+        return Launchable(new.settings, new.build_command)
 
     daemon = Daemon(settings, prepared.plan, prepared.build_command, sd,
-                    gpu_holders=gpu_holders, reload_settings=reload_settings)
+                    gpu_holders=gpu_holders, gpu_usage=gpu_usage, reload_config=reload_config)
     try:
         return asyncio.run(daemon.run())
     except KeyboardInterrupt:
@@ -312,9 +312,12 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 def cmd_reload(args: argparse.Namespace) -> int:
     from .control import call_sync
-    code, body = call_sync(_state_dir_of(args).socket_path, "POST", "/reload")
+    # Reading the config runs `mpirun --version`: allow for it.
+    code, body = call_sync(_state_dir_of(args).socket_path, "POST", "/reload", timeout_s=60.0)
     if code >= 400:
-        raise OrchError(body.get("error", "reload refused"))
+        error = OrchError(body.get("error", "reload refused"))
+        error.exit_code = body.get("exit_code", error.exit_code)
+        raise error
     print("rolling restart started")
     return EXIT_OK
 

@@ -84,6 +84,17 @@ class Settings:
                                 "timeout: long generations are not cut)", group="proxy", metavar="S")
     max_attempts: int = opt(3, "upstream attempts per request (retries only before any byte "
                             "reached the client)", group="proxy", metavar="N")
+    client_header_timeout_s: float = opt(10.0, "a client must send a request's line and headers "
+                                         "within this long (from connect, or from the first byte of a "
+                                         "keep-alive request), else 408 and the connection is closed",
+                                         group="proxy", metavar="S")
+    client_body_timeout_s: float = opt(30.0, "a client must send a request's whole body within this "
+                                       "long after its headers, else 408 and the connection is closed "
+                                       "(nginx mode: the longest pause between two reads)",
+                                       group="proxy", metavar="S")
+    max_client_connections: int = opt(4096, "open client connections per listener of the embedded "
+                                      "proxy; beyond it a new connection gets 503 and is closed",
+                                      group="proxy", metavar="N")
     allow_admin: bool = opt(False, "let Triton's admin API (load/unload, shared memory, trace, "
                             "logging, config, stats) through the proxy", group="proxy")
     nginx: str = opt("nginx", "nginx binary for --proxy nginx", group="proxy", metavar="PATH")
@@ -135,7 +146,8 @@ class Settings:
         for name in ("stop_grace_s", "probe_interval_s", "probe_timeout_s", "startup_timeout_s",
                      "canary_deadline_s", "connect_timeout_s", "idle_timeout_s", "max_body_bytes",
                      "probe_failures", "max_attempts", "max_failures", "failure_window_s",
-                     "outlier_failures", "log_max_bytes"):
+                     "outlier_failures", "log_max_bytes", "client_header_timeout_s",
+                     "client_body_timeout_s", "max_client_connections"):
             positive(name)
         for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
                      "stable_after_s", "ready_min", "log_backups"):
@@ -190,6 +202,29 @@ def parse_host_port(value: str, field_name: str) -> tuple[str, int]:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+# What a reload (`trtllm-orch reload`, SIGHUP, `systemctl reload`) does with a changed field.
+# Refused, with nothing changed: the GPU plan, the ports and sockets, the process layout.
+NEEDS_DOWN_UP = ("gpus", "tp", "assume_gpus", "base_port", "bind_address", "state_dir", "proxy",
+                 "listen", "grpc_listen", "metrics_listen", "nginx", "detach")
+# Part of the launch command: each instance takes them when the rolling restart relaunches it.
+APPLIED_AT_RELAUNCH = ("model_repo", "tensorrt_llm_model", "mpirun", "tritonserver", "tritonserver_arg")
+# Every other field (health, backoff, canary, proxy policy knobs, log level) applies at once.
+
+
+def reload_changes(old: Settings, new: Settings) -> list[str]:
+    """The fields a reload changes; UsageError for the first one that needs `down` and `up`."""
+    changed = [name for name in FIELDS if getattr(old, name) != getattr(new, name)]
+    for name in changed:
+        if name in NEEDS_DOWN_UP:
+            raise UsageError(flag(name), _shown(getattr(new, name)),
+                             f"cannot change on reload (running: {_shown(getattr(old, name))}); "
+                             "needs `trtllm-orch down` and `up`")
+    return changed
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:

@@ -10,19 +10,28 @@ import asyncio
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from .errors import DaemonNotRunning, OrchError
 
-if TYPE_CHECKING:
-    from .daemon import Daemon
+
+class ControlTarget(Protocol):
+    """What the control API drives (the daemon); named here so neither imports the other's module."""
+
+    async def status(self) -> dict[str, Any]: ...
+
+    def request_stop(self, reason: str) -> None: ...
+
+    def restart_instance(self, instance_id: str) -> str | None: ...
+
+    async def reload(self, why: str) -> None: ...
 
 
 class ControlServer:
-    def __init__(self, daemon: "Daemon", path: Path):
+    def __init__(self, daemon: ControlTarget, path: Path):
         self._daemon = daemon
         self._path = path
         self._runner: web.AppRunner | None = None
@@ -50,26 +59,25 @@ class ControlServer:
         self._path.unlink(missing_ok=True)
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self._daemon.status())
+        return web.json_response(await self._daemon.status())
 
     async def _down(self, request: web.Request) -> web.Response:
         self._daemon.request_stop("down requested")
         return web.json_response({"stopping": True}, status=202)
 
     async def _restart(self, request: web.Request) -> web.Response:
-        inst = self._daemon.instances.get(request.match_info["id"])
-        if inst is None:
-            known = ", ".join(self._daemon.instances)
-            return web.json_response({"error": f"no instance {request.match_info['id']!r} "
-                                               f"(instances: {known})"}, status=404)
-        inst.request_restart()
-        return web.json_response({"restarting": inst.id}, status=202)
+        iid = request.match_info["id"]
+        error = self._daemon.restart_instance(iid)
+        if error:
+            return web.json_response({"error": error}, status=404)
+        return web.json_response({"restarting": iid}, status=202)
 
     async def _reload(self, request: web.Request) -> web.Response:
-        started = self._daemon.start_rolling_restart("reload requested")
-        if not started:
-            return web.json_response({"error": "a rolling restart is already running, or the "
-                                               "daemon is stopping"}, status=409)
+        try:
+            await self._daemon.reload("reload requested")
+        except OrchError as exc:
+            # exit_code tells the CLI whether the config was bad (2) or the time was (1).
+            return web.json_response({"error": str(exc), "exit_code": exc.exit_code}, status=409)
         return web.json_response({"rolling_restart": True}, status=202)
 
 

@@ -15,53 +15,68 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import psutil
 
-from .config import Settings
+from .config import Settings, reload_changes
+from .control import ControlServer
+from .errors import OrchError
+from .health.checks import InstanceChecks
 from .health.exit_watch import ExitWatcher
-from .health.outlier import OutlierDetector
+from .health.loop_monitor import LoopMonitor
 from .instance import Instance, Shared
 from .launcher.command import LaunchCommand
+from .launcher.group import ProcessGroup
 from .launcher.process_tree import OsOps
 from .plan import InstancePlan, Plan
 from .proxy.backends import ReadyBackends
 from .reaper import sweep_leftovers
 from .states import State
-from .statedir import StateDir
+from .statedir import StateDir, StateWriter
 
 log = logging.getLogger("trtllm-orch")
+
+
+@dataclass(frozen=True)
+class Launchable:
+    """A validated configuration: its settings and the command builder made from them."""
+
+    settings: Settings
+    build_command: Callable[[InstancePlan], LaunchCommand]
 
 
 class Daemon:
     def __init__(self, settings: Settings, plan: Plan, build_command: Callable[[InstancePlan], LaunchCommand],
                  state_dir: StateDir, *, ops: OsOps | None = None,
                  gpu_holders: Callable[[tuple[int, ...]], set[int]] | None = None,
-                 reload_settings: Callable[[], Settings] | None = None):
+                 gpu_usage: Callable[[tuple[int, ...]], dict[int, dict]] | None = None,
+                 reload_config: Callable[[], Launchable] | None = None):
         self.settings = settings
         self.plan = plan
         self.state_dir = state_dir
         self._build_command = build_command
         self._ops = ops or OsOps()
         self._gpu_holders = gpu_holders
-        self._reload_settings = reload_settings
+        self._gpu_usage = gpu_usage
+        # Blocking (it runs `mpirun --version` and may ask NVML): called in a worker thread.
+        self._reload_config = reload_config
         self.backends = ReadyBackends()
         self.instances: dict[str, Instance] = {}
         self.proxies: list[Any] = []
+        self._shared: Shared | None = None
         self._stop = asyncio.Event()
         self._stop_reason = ""
         self._started = time.monotonic()
-        self._outliers = OutlierDetector(settings.outlier_failures)
+        self._create_time = psutil.Process().create_time()
         self._reload_task: asyncio.Task | None = None
+        self._signal_tasks: set[asyncio.Task] = set()  # SIGHUP reloads; cancelled at the end
         self._notifier = _make_notifier()
         self._announced_ready = False
-        # Launches per instance (moves into STARTING), so a rolling restart can tell that an
-        # instance really went through a new start: `restarts` does not count a restart out
-        # of FAILED, and waiting on it hung the rolling restart (and refused every later one).
-        self._starts: dict[str, int] = {}
-        self._last_state: dict[str, State] = {}
+        self._state_writer = StateWriter(state_dir, self.state_record)
+        self.loop_monitor = LoopMonitor()
 
     # --- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -77,6 +92,15 @@ class Daemon:
             sd.clear_state()
             sd.release_lock()
 
+    def _make_shared(self, watcher: ExitWatcher, session: aiohttp.ClientSession) -> Shared:
+        root = str(self.state_dir.root)
+
+        def make_group(plan, log_file, on_trouble) -> ProcessGroup:
+            return ProcessGroup(plan, root, self._ops, watcher, self._gpu_holders, log_file, on_trouble)
+
+        return Shared(self.settings, self.state_dir, self._build_command, make_group,
+                      lambda backend: InstanceChecks(session, backend.http_url))
+
     async def _run_locked(self) -> int:
         loop = asyncio.get_running_loop()
         self._install_signals(loop)
@@ -84,13 +108,15 @@ class Daemon:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.probe_timeout_s)
         session = aiohttp.ClientSession(timeout=timeout,
                                         connector=aiohttp.TCPConnector(limit=0, force_close=False))
-        shared = Shared(self.settings, self.state_dir, self._ops, session, watcher,
-                        self._build_command, self._gpu_holders)
+        self._shared = self._make_shared(watcher, session)
         for inst_plan in self.plan.instances:
-            self.instances[inst_plan.instance_id] = Instance(inst_plan, shared, self._instance_changed)
-        self.backends.set_health_sinks(self._proxy_saw_failure, self._proxy_saw_success)
-        from .control import ControlServer  # late: control imports daemon types
+            self.instances[inst_plan.instance_id] = Instance(inst_plan, self._shared, self._instance_changed)
         control = ControlServer(self, self.state_dir.socket_path)
+        # The daemon owns every task it starts here and stops each one below.
+        background = [loop.create_task(self._watchdog_loop(), name="watchdog"),
+                      loop.create_task(self._state_writer.run(), name="state-writer"),
+                      loop.create_task(self.loop_monitor.run(), name="loop-monitor")]
+        supervisors: dict[str, asyncio.Task] = {}
         exit_code = 0
         try:
             await control.start()
@@ -98,36 +124,64 @@ class Daemon:
             self._write_state()
             log.info("daemon pid=%d state_dir=%s instances=%d proxy=%s listen=%s", os.getpid(),
                      self.state_dir.root, len(self.instances), self.settings.proxy, self.settings.listen)
-            async with asyncio.TaskGroup() as tasks:
-                for inst in self.instances.values():
-                    tasks.create_task(inst.supervise(), name=f"instance-{inst.id}")
-                tasks.create_task(self._watchdog_loop(), name="watchdog")
-                await self._stop.wait()
-                log.info("stopping: %s", self._stop_reason)
-                if self._notifier is not None:
-                    self._notifier.stopping()
-                    self._notifier.status(f"stopping: {self._stop_reason}")
-                # Endpoint first: no new requests reach instances that are about to go.
-                await self._stop_proxies()
-                for inst in self.instances.values():
-                    inst.request_stop()
-                if self._reload_task:
-                    self._reload_task.cancel()
-                # supervise() tasks return once their groups are gone; the watchdog ends with _stop.
-        except* Exception as group:  # noqa: B902 - we log each, then fail the run
-            for exc in group.exceptions:
-                log.error("daemon error: %s", exc, exc_info=exc)
+            supervisors = {i.id: loop.create_task(i.supervise(), name=f"instance-{i.id}")
+                           for i in self.instances.values()}
+            failure = await self._until_stop_or_failure([*supervisors.values(), *background])
+            if failure is not None:
+                raise failure
+            log.info("stopping: %s", self._stop_reason)
+            if self._notifier is not None:
+                self._notifier.stopping()
+                self._notifier.status(f"stopping: {self._stop_reason}")
+            # Endpoint first: no new requests reach instances that are about to go.
+            await self._stop_proxies()
+            await self._cancel(self._reload_task)
+            for inst in self.instances.values():
+                inst.request_stop()
+            # supervise() returns once its group is gone.
+            await asyncio.gather(*supervisors.values())
+        except Exception as exc:
+            log.error("daemon error: %s", exc, exc_info=exc)
             exit_code = 1
             await self._stop_proxies()
-            for inst in self.instances.values():
-                await inst._stop_group()
+            await self._cancel(self._reload_task)
+            for iid, task in supervisors.items():
+                await self._cancel(task)
+                await self.instances[iid].stop_now()
         finally:
+            self._stop.set()
+            for task in [*background, *self._signal_tasks]:
+                await self._cancel(task)
             await control.stop()
             await session.close()
             watcher.close()
         # A clean stop is success even if some instance had FAILED: `status` reported it
         # while we ran, and systemd must not restart a service that was asked to stop.
         return exit_code
+
+    async def _until_stop_or_failure(self, tasks: list[asyncio.Task]) -> BaseException | None:
+        """Wait for a stop request. A task that ends before it is a bug: return its error."""
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        for task in done:
+            if task is not stop:
+                exc = task.exception()
+                if exc is not None:
+                    return exc
+                if not self._stop.is_set():  # the watchdog ends with a stop, nothing else ends
+                    return RuntimeError(f"task {task.get_name()} ended before the daemon stopped")
+        return None
+
+    @staticmethod
+    async def _cancel(task: asyncio.Task | None) -> None:
+        if task is None or task.done():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
     def request_stop(self, reason: str) -> None:
         if not self._stop.is_set():
@@ -141,9 +195,15 @@ class Daemon:
                 log.warning("second %s: forcing exit", signame)
                 os._exit(1)
             self.request_stop(f"{signame} received")
+
+        def on_hup() -> None:
+            task = loop.create_task(self._reload_logged("SIGHUP"), name="sighup-reload")
+            self._signal_tasks.add(task)
+            task.add_done_callback(self._signal_tasks.discard)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_term, sig.name)
-        loop.add_signal_handler(signal.SIGHUP, lambda: self.start_rolling_restart("SIGHUP"))
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
 
     # --- load balancer ---------------------------------------------------------------
     async def _start_proxies(self) -> None:
@@ -158,105 +218,127 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await proxy.stop(5.0)
 
-    def _proxy_saw_failure(self, instance_id: str, reason: str) -> None:
-        inst = self.instances.get(instance_id)
-        if inst and self._outliers.record_failure(instance_id, reason):
-            inst.suspect(f"ejected after {self.settings.outlier_failures} consecutive proxy "
-                         f"failures (last: {reason})")
-
-    def _proxy_saw_success(self, instance_id: str) -> None:
-        self._outliers.record_success(instance_id)
-        inst = self.instances.get(instance_id)
-        if inst:
-            inst.note_traffic_ok()
-
     # --- reacting to instances ---------------------------------------------------------
     def _instance_changed(self, inst: Instance) -> None:
-        if inst.state == State.STARTING and self._last_state.get(inst.id) != State.STARTING:
-            self._starts[inst.id] = self._starts.get(inst.id, 0) + 1
-        self._last_state[inst.id] = inst.state
         # Synchronous on purpose: the ready set is current before the next request is routed.
         self.backends.publish(tuple(i.backend for i in self.instances.values() if i.serving))
-        if inst.state == State.READY:
-            self._outliers.reset(inst.id)
         self._write_state()
         self._report_to_systemd()
 
     def _write_state(self) -> None:
-        try:
-            self.state_dir.write_state(self.state_record())
-        except OSError as exc:
-            log.error("cannot write %s: %s", self.state_dir.state_path, exc)
+        # Coalesced and written (with fsync) in a worker thread: this runs inside proxy
+        # request handlers (an ejection) and must not wait for the disk.
+        self._state_writer.mark_dirty()
 
     def state_record(self) -> dict[str, Any]:
         proxy_pids = [pid for p in self.proxies for pid in getattr(p, "pids", lambda: [])()]
         return {"daemon_pid": os.getpid(),
-                "daemon_create_time": psutil.Process().create_time(),
+                "daemon_create_time": self._create_time,
                 "proxy_pids": proxy_pids,
                 "instances": {i.id: i.state_record() for i in self.instances.values()}}
 
     def ready_count(self) -> int:
         return sum(1 for i in self.instances.values() if i.serving)
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
         inflight: dict[str, int] = {}
         for proxy in self.proxies:
             for key, value in proxy.inflight().items():
                 inflight[key] = inflight.get(key, 0) + value
+        gpu = await self._gpu_status()
         instances = []
         for inst in self.instances.values():
             entry = inst.describe()
             entry["inflight"] = inflight.get(inst.id, 0)
-            instances.append(entry)
-        gpu = _gpu_usage(self.plan) if self._gpu_holders else {}
-        for entry in instances:
             entry["gpu"] = [gpu[g] for g in entry["gpus"] if g in gpu]
+            instances.append(entry)
+        s = self.settings
         return {
             "daemon": {"pid": os.getpid(), "uptime_s": round(time.monotonic() - self._started, 1),
-                       "state_dir": str(self.state_dir.root), "proxy": self.settings.proxy,
-                       "listen": self.settings.listen if self.settings.proxy != "none" else "",
-                       "grpc_listen": self.settings.grpc_listen if self.settings.proxy != "none" else "",
-                       "model_repo": self.settings.model_repo,
+                       "state_dir": str(self.state_dir.root), "proxy": s.proxy,
+                       "listen": s.listen if s.proxy != "none" else "",
+                       "grpc_listen": s.grpc_listen if s.proxy != "none" else "",
+                       "model_repo": s.model_repo,
+                       "config_generation": self._shared.generation if self._shared else 1,
                        "stopping": self._stop.is_set(),
-                       "rolling_restart": bool(self._reload_task and not self._reload_task.done())},
+                       "rolling_restart": bool(self._reload_task and not self._reload_task.done()),
+                       "loop_lag_ms": self.loop_monitor.summary()},
+            "proxies": [p.status() for p in self.proxies if hasattr(p, "status")],
             "ready": self.ready_count(), "total": len(self.instances),
             "instances": instances,
         }
 
-    # --- rolling restart ---------------------------------------------------------------
-    def start_rolling_restart(self, why: str) -> bool:
-        if self._stop.is_set() or (self._reload_task and not self._reload_task.done()):
-            return False
+    async def _gpu_status(self) -> dict[int, dict[str, Any]]:
+        if self._gpu_usage is None:
+            return {}
+        gpus = tuple(g for inst in self.plan.instances for g in inst.gpus)
+        try:
+            return await asyncio.to_thread(self._gpu_usage, gpus)
+        except Exception as exc:  # NVML trouble must not break `status`
+            log.debug("gpu usage: %s", exc)
+            return {}
+
+    def restart_instance(self, instance_id: str) -> str | None:
+        """Restart one instance (also out of FAILED); an error message if there is no such one."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return f"no instance {instance_id!r} (instances: {', '.join(self.instances)})"
+        inst.request_restart()
+        return None
+
+    # --- reload: new config, rolling restart ----------------------------------------------
+    async def reload(self, why: str) -> None:
+        """Re-read the config, apply it, restart the instances one at a time.
+
+        Raises OrchError (one line naming the field) when the new config is invalid or
+        changes what needs `down`/`up`; then nothing changes. Returns once the rolling
+        restart is under way.
+        """
+        if self._stop.is_set():
+            raise OrchError("the daemon is stopping")
+        if self._reload_task and not self._reload_task.done():
+            raise OrchError("a rolling restart is already running")
+        new = None
+        if self._reload_config is not None:
+            new = await asyncio.to_thread(self._reload_config)
+            changed = reload_changes(self.settings, new.settings)  # raises for a fixed field
+            self._apply(new, changed)
         self._reload_task = asyncio.get_running_loop().create_task(self._rolling_restart(why),
                                                                     name="rolling-restart")
-        return True
+
+    async def _reload_logged(self, why: str) -> None:
+        try:
+            await self.reload(why)
+        except OrchError as exc:
+            log.error("reload (%s) refused: %s", why, exc)
+
+    def _apply(self, new: Launchable, changed: list[str]) -> None:
+        assert self._shared is not None
+        self.settings = new.settings
+        self._shared.settings = new.settings
+        self._shared.build_command = new.build_command
+        self._shared.generation += 1
+        logging.getLogger().setLevel(new.settings.log_level.upper())
+        for inst in self.instances.values():
+            inst.apply_settings(new.settings)
+        for proxy in self.proxies:
+            apply = getattr(proxy, "apply_settings", None)
+            if apply is not None:
+                apply(new.settings)
+        log.info("reload: config generation %d; changed: %s", self._shared.generation,
+                 ", ".join(changed) or "nothing")
 
     async def _rolling_restart(self, why: str) -> None:
-        if self._reload_settings is not None:
-            try:
-                new = self._reload_settings()
-            except Exception as exc:
-                log.error("reload (%s): config not reloaded: %s", why, exc)
-                return
-            if (new.gpus, new.tp, new.base_port, new.bind_address) != (
-                    self.settings.gpus, self.settings.tp, self.settings.base_port, self.settings.bind_address):
-                log.error("reload (%s): GPU plan or ports changed; that needs `down` and `up`", why)
-                return
-            self.settings = new
-            for inst in self.instances.values():
-                inst.apply_settings(new)
         log.info("rolling restart (%s): %d instance(s), one at a time", why, len(self.instances))
         for inst in list(self.instances.values()):
-            if self._stop.is_set():
-                return
             if inst.state == State.STOPPED:
                 continue
-            before = self._starts.get(inst.id, 0)
+            before = inst.launches
             inst.request_restart()
-            while not self._stop.is_set():
-                if self._starts.get(inst.id, 0) > before and inst.state in (State.READY, State.FAILED):
-                    break
-                await asyncio.sleep(0.05)
+            # The instance tells us when its next launch settled; a restart out of FAILED
+            # counts as a launch too (waiting on `restarts` alone once hung forever).
+            await inst.wait_for(lambda inst=inst: inst.launches > before
+                                and inst.state in (State.READY, State.FAILED))
             log.info("rolling restart: instance=%s is %s", inst.id, inst.state.value)
         log.info("rolling restart done")
 
@@ -299,11 +381,3 @@ def _make_notifier():
     from .service.sdnotify import SystemdNotifier
     return SystemdNotifier(logger=log)
 
-
-def _gpu_usage(plan: Plan) -> dict[int, dict[str, Any]]:
-    from .gpus import gpu_usage
-    gpus = tuple(g for inst in plan.instances for g in inst.gpus)
-    try:
-        return gpu_usage(gpus)
-    except Exception:
-        return {}

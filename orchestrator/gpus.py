@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from .errors import EnvironmentProblem, UsageError
@@ -93,38 +94,43 @@ def inventory(assume_gpus: int | None) -> tuple[GpuInfo, ...]:
     return nvml_inventory()
 
 
+_nvml_lock = threading.Lock()
+_nvml_ready = False
+
+
 def _nvml():
+    """NVML, initialised once per process and kept: nvmlInit costs tens of ms (it opens
+    every device), and the daemon asks every 50 ms while a group's GPUs are released.
+    Callers on the event loop run these functions in a worker thread."""
+    global _nvml_ready
     import pynvml
-    pynvml.nvmlInit()
+    with _nvml_lock:
+        if not _nvml_ready:
+            pynvml.nvmlInit()
+            _nvml_ready = True
     return pynvml
 
 
 def gpu_holders(gpus: tuple[int, ...]) -> set[int]:
     """pids with a compute context on any of `gpus` (NVML indices)."""
     pynvml = _nvml()
-    try:
-        pids: set[int] = set()
-        for index in gpus:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                pids.add(proc.pid)
-        return pids
-    finally:
-        pynvml.nvmlShutdown()
+    pids: set[int] = set()
+    for index in gpus:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            pids.add(proc.pid)
+    return pids
 
 
 def gpu_usage(gpus: tuple[int, ...]) -> dict[int, dict]:
     """Memory and utilisation per GPU for `status`."""
     pynvml = _nvml()
-    try:
-        out = {}
-        for index in gpus:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            out[index] = {"index": index, "memory_used_mib": int(mem.used) // (1024 * 1024),
-                          "memory_total_mib": int(mem.total) // (1024 * 1024),
-                          "utilization_pct": int(util.gpu)}
-        return out
-    finally:
-        pynvml.nvmlShutdown()
+    out = {}
+    for index in gpus:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        out[index] = {"index": index, "memory_used_mib": int(mem.used) // (1024 * 1024),
+                      "memory_total_mib": int(mem.total) // (1024 * 1024),
+                      "utilization_pct": int(util.gpu)}
+    return out

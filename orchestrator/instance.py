@@ -1,37 +1,36 @@
-"""One instance: a TP group's mpirun job, its state machine, its health, its restarts.
+"""One instance: the state machine and health loop of a TP group.
 
 `Instance.supervise()` is the instance's whole life and the only place that
-starts or stops its processes. Everything else (exit watchers, the proxy's
-passive health reports, `restart`/`down` commands) only records what happened
-and wakes the loop; state changes all go through `_move`, which checks the edge
-is legal and logs why.
+decides to start or stop its group. The group's processes live behind a
+`ProcessGroup` (launcher/group.py) and its HTTP checks behind `InstanceChecks`
+(health/checks.py); unit tests replace both (tests/fakes.py), so every edge of
+the state machine is tested without a process. Everything else (exit reports,
+the proxies' passive health, `restart`/`down` commands) only records what
+happened and wakes the loop; state changes all go through `_move`, which checks
+the edge is legal and logs why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
+import json
 import logging
-import os
 import re
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
-
-import aiohttp
+from typing import Any, Protocol
 
 from .config import Settings
-from .health.canary import CanaryScheduler, default_canary_body, run_canary
-from .health.exit_watch import ExitWatcher
-from .health.probes import probe_instance, wait_until_ready
+from .health.canary import CanaryScheduler, default_canary_body
+from .health.checks import InstanceChecks
+from .health.outlier import PassiveHealth
+from .health.probes import ProbeResult
 from .health.restart_policy import RestartPolicy
-from .launcher.command import LaunchCommand, shm_prefix, shm_scope
-from .launcher.logfile import RotatingLog, pump
-from .launcher.ports import listening_pids, taken_ports
-from .launcher.process_tree import OsOps, process_tree, stop_processes, tagged_processes
+from .launcher.command import LaunchCommand
+from .launcher.group import LaunchFailed, ProcessGroup, Trouble
+from .launcher.logfile import RotatingLog
 from .plan import InstancePlan
 from .proxy.backends import Backend
 from .states import SERVING_STATES, State, check_transition
@@ -43,25 +42,24 @@ log = logging.getLogger("trtllm-orch")
 _ERROR_LINE = re.compile(r"(<std(?:out|err)>:\s*|^)E\d{4} |Traceback|Error|error:|failed to load|"
                          r"Exception|exited with code [^0]")
 
-_DAEMON_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
 
-# Grace for the survivors of a group that already failed (see _stop_group).
-# 0.3 s: on the H200 acceptance run a 1 s grace was spent in full on every restart
-# (GPUs free after 0.2 s, relaunch after 1.2 s); a broken TP group has nothing to drain.
-FAILED_GROUP_GRACE_S = 0.3
+class GroupFactory(Protocol):
+    def __call__(self, plan: InstancePlan, log_file: RotatingLog, on_trouble: Trouble) -> ProcessGroup: ...
 
 
 @dataclass
 class Shared:
-    """What every instance of one daemon shares; owned and closed by the daemon."""
+    """What every instance of one daemon shares; owned by the daemon.
+
+    `build_command` and `settings` are replaced by a reload: each launch reads them anew.
+    """
 
     settings: Settings
     state_dir: StateDir
-    ops: OsOps
-    session: aiohttp.ClientSession
-    exit_watcher: ExitWatcher
     build_command: Callable[[InstancePlan], LaunchCommand]
-    gpu_holders: Callable[[tuple[int, ...]], set[int]] | None  # NVML: pids holding memory on GPUs
+    make_group: GroupFactory
+    make_checks: Callable[[Backend], InstanceChecks]
+    generation: int = 1  # bumped by every applied reload; status shows what each instance runs
 
 
 class _Command:
@@ -80,48 +78,41 @@ class Instance:
         self.reason = "not started"
         self.last_failure = ""
         self.restarts = 0
+        self.launches = 0  # moves into STARTING: a rolling restart waits for the next one
         self.started_at: float | None = None  # monotonic
         self.ready_at: float | None = None
         self.startup_s: float | None = None  # how long the last start took to READY
-        self.mpirun: asyncio.subprocess.Process | None = None
-        self.mpirun_create_time: float | None = None
-        self.pids: list[int] = []
+        self.running_config: dict[str, Any] = {}  # what the running group was launched with
+        self._moved = asyncio.Event()  # set (and replaced) on every move: see wait_for()
         self._wake = asyncio.Event()
         self._command: str | None = None
         self._trouble: str | None = None
         self._suspect: str | None = None
-        self._log: RotatingLog | None = None
-        self._pump: asyncio.Task | None = None
-        self._exit_wait: asyncio.Task | None = None
+        self.dir = shared.state_dir.make_instance_dir(self.id)
+        self._log = RotatingLog(self.dir / "instance.log", self._s.log_max_bytes, self._s.log_backups)
         self.policy = RestartPolicy(self._s.backoff_initial_s, self._s.backoff_max_s,
                                     self._s.stable_after_s, self._s.max_failures,
                                     self._s.failure_window_s)
         self.canary = CanaryScheduler(self._s.canary_interval_s, self._s.canary_idle_s)
         self.canary_body = _canary_body(self._s)
-        self.dir = shared.state_dir.make_instance_dir(self.id)
+        self.passive = PassiveHealth(self._s.outlier_failures, self.suspect, self.canary.note_traffic)
+        p = plan.ports
+        # What the proxies route to; it carries this instance's passive health.
+        self.backend = Backend(self.id, plan.bind_address, p.http, p.grpc, p.metrics, health=self.passive)
+        self.group = shared.make_group(plan, self._log, self.report_trouble)
+        self.checks = shared.make_checks(self.backend)
 
     # --- views ---------------------------------------------------------------------
-    @property
-    def backend(self) -> Backend:
-        p = self.plan.ports
-        return Backend(self.id, self.plan.bind_address, p.http, p.grpc, p.metrics)
-
-    @property
-    def base_url(self) -> str:
-        return self.backend.http_url
-
     @property
     def serving(self) -> bool:
         return self.state in SERVING_STATES
 
     def log_tail(self, n: int = 20) -> list[str]:
-        return self._log.tail(n) if self._log else []
+        return self._log.tail(n)
 
     def error_lines(self, n: int = 3) -> list[str]:
         """The last lines that look like the actual error (a model's exception, a
         tritonserver E-line), not mpirun's closing boilerplate; else the plain tail."""
-        if not self._log:
-            return []
         lines = self._log.tail(200)
         hits = [ln for ln in lines if _ERROR_LINE.search(ln)]
         return (hits or lines)[-n:]
@@ -134,10 +125,12 @@ class Instance:
             "ports": {"http": self.plan.ports.http, "grpc": self.plan.ports.grpc,
                       "metrics": self.plan.ports.metrics},
             "bind_address": self.plan.bind_address,
-            "mpirun_pid": self.mpirun.pid if self.mpirun and self.mpirun.returncode is None else None,
-            "pids": self.pids,
+            "mpirun_pid": self.group.mpirun_pid,
+            "pids": self.group.pids,
             "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.serving else None,
             "startup_s": round(self.startup_s, 2) if self.startup_s is not None else None,
+            "running": self.running_config,
+            "passive_failures": self.passive.consecutive,
             "log": str(self.dir / "instance.log"),
             "log_tail": self.log_tail(10) if self.state not in SERVING_STATES else [],
             "errors": self.error_lines(5) if self.state not in SERVING_STATES else [],
@@ -146,10 +139,15 @@ class Instance:
     def state_record(self) -> dict[str, Any]:
         """What `down` needs if the daemon is SIGKILLed: pids with their start times."""
         return {"state": self.state.value,
-                "mpirun_pid": self.mpirun.pid if self.mpirun else None,
-                "mpirun_create_time": self.mpirun_create_time,
-                "pids": self.pids, "gpus": list(self.plan.gpus),
+                "mpirun_pid": self.group.mpirun.pid if self.group.mpirun else None,
+                "mpirun_create_time": self.group.mpirun_create_time,
+                "pids": self.group.pids, "gpus": list(self.plan.gpus),
                 "ports": list(self.plan.ports.all())}
+
+    async def wait_for(self, done: Callable[[], bool]) -> None:
+        """Return once `done()` holds; checked after every state move (no polling)."""
+        while not done():
+            await self._moved.wait()
 
     # --- commands (from the daemon, the proxy, the control socket) -----------------
     def request_stop(self) -> None:
@@ -176,21 +174,30 @@ class Instance:
             self._move(State.UNHEALTHY, reason)
             self._wake.set()
 
-    def note_traffic_ok(self) -> None:
-        self.canary.note_traffic()
-
     def apply_settings(self, settings: Settings) -> None:
-        """A reload: the next launch of this instance uses the new settings (model repo, args)."""
+        """A reload. Health, backoff and canary knobs apply now; the launch command (model
+        repository, tritonserver args) applies at this instance's next launch."""
         self._s = settings
         self.canary_body = _canary_body(settings)
+        self.policy.configure(settings.backoff_initial_s, settings.backoff_max_s, settings.stable_after_s,
+                              settings.max_failures, settings.failure_window_s)
+        self.canary.configure(settings.canary_interval_s, settings.canary_idle_s)
+        self.passive.threshold = settings.outlier_failures
+        self._log.configure(settings.log_max_bytes, settings.log_backups)
 
     # --- the state machine -----------------------------------------------------------
     def _move(self, new: State, reason: str) -> None:
         check_transition(self.state, new)
         old, self.state, self.reason = self.state, new, reason
+        if new == State.STARTING:
+            self.launches += 1
+        if new == State.READY:
+            self.passive.reset()  # a fresh or re-admitted instance starts with a clean streak
         level = logging.WARNING if new in (State.UNHEALTHY, State.FAILED, State.BACKOFF) else logging.INFO
         log.log(level, "instance=%s gpus=%s %s -> %s: %s", self.id, self.plan.cuda_visible_devices,
                 old.value, new.value, reason)
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
         self._on_change(self)
 
     async def supervise(self, autostart: bool = True) -> None:
@@ -234,7 +241,10 @@ class Instance:
         if self.state == State.READY and failure:
             self._move(State.UNHEALTHY, failure)  # READY -> UNHEALTHY
         self._move(State.STOPPING, reason)  # * -> STOPPING
-        await self._stop_group(failed=failure is not None)
+        await self.group.stop(self._s.stop_grace_s, failed=failure is not None)
+        self.ready_at = None
+        self.running_config = {}
+        self._on_change(self)  # the pids are gone from state.json
         if command == _Command.STOP:
             self._move(State.STOPPED, "stopped")  # STOPPING -> STOPPED
             return "exit"
@@ -264,79 +274,44 @@ class Instance:
         """Launch the group and wait for READY. Returns a failure reason, or None when ready."""
         self._trouble = None
         self._suspect = None
-        busy = taken_ports(self.plan.bind_address, self.plan.ports.all())
-        if busy:
-            return f"port(s) {', '.join(busy)} already in use"
-        cmd = self._shared.build_command(self.plan)
-        if self._log is None:
-            self._log = RotatingLog(self.dir / "instance.log", self._s.log_max_bytes, self._s.log_backups)
-        self._log.note("launch: " + cmd.shell_text())
-        # systemd's notify/watchdog variables are the daemon's alone (NotifyAccess=main).
-        env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
-        env.update(cmd.env)
+        s, shared = self._s, self._shared
+        cmd = shared.build_command(self.plan)  # read now: a reload may have replaced it
         self.started_at = time.monotonic()
         try:
-            proc = await self._shared.ops.spawn(cmd.argv, env, None)
-        except OSError as exc:
-            return f"could not start {cmd.argv[0]}: {exc}"
-        self.mpirun = proc
-        with contextlib.suppress(Exception):
-            import psutil
-            self.mpirun_create_time = psutil.Process(proc.pid).create_time()
-        self.pids = [proc.pid]
-        self._pump = asyncio.create_task(pump(proc.stdout, self._log), name=f"log-pump-{self.id}")
-        self._exit_wait = asyncio.create_task(self._watch_mpirun(proc), name=f"mpirun-wait-{self.id}")
+            await self.group.launch(cmd)
+        except LaunchFailed as exc:
+            return str(exc)
+        self.running_config = {"generation": shared.generation, "model_repo": s.model_repo,
+                               "tritonserver_arg": list(s.tritonserver_arg)}
         self._on_change(self)  # record the pid in state.json before anything can go wrong
-
         result = await self._until_woken(
-            wait_until_ready(self._shared.session, self.base_url, self._s.served_model,
-                             self._s.startup_timeout_s, poll_s=0.1,
-                             is_alive=lambda: proc.returncode is None))
+            self.checks.wait_ready(s.served_model, s.startup_timeout_s, lambda: self.group.running))
         if self._command is not None:
             return None  # a stop/restart command: _teardown handles it, it is no failure
         if self._trouble:
             return self._trouble
         if result is None or not result.ok:
             why = result.reason if result is not None else "interrupted"
-            if proc.returncode is not None:
-                why = f"mpirun exited with code {proc.returncode} before ready"
-            elif time.monotonic() - self.started_at >= self._s.startup_timeout_s:
-                why = f"not ready within --startup-timeout-s={self._s.startup_timeout_s:g} ({why})"
+            if self.group.exit_code is not None:
+                why = f"mpirun exited with code {self.group.exit_code} before ready"
+            elif time.monotonic() - self.started_at >= s.startup_timeout_s:
+                why = f"not ready within --startup-timeout-s={s.startup_timeout_s:g} ({why})"
             return why
         self.startup_s = time.monotonic() - self.started_at
-        self._watch_group(proc.pid)
+        await self.group.watch_all()
+        if self._trouble:
+            return self._trouble  # a process exited while we started watching
         self.ready_at = time.monotonic()
         self.policy.record_ready()
         self.canary.ran()  # a fresh instance just answered: no canary needed right away
         self._move(State.READY, f"ready after {self.startup_s:.1f}s")  # STARTING -> READY
         return None
 
-    async def _watch_mpirun(self, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        if self.state not in (State.STOPPING, State.STOPPED):
-            self.report_trouble(f"mpirun (pid {proc.pid}) exited with code {code}")
-
-    def _watch_group(self, root_pid: int) -> None:
-        """Event-driven exit detection for every rank, daemon and stub of the group."""
-        procs = process_tree(root_pid)
-        self.pids = [p.pid for p in procs]
-        for p in procs[1:]:  # mpirun itself is watched through proc.wait()
-            try:
-                name = p.name()
-            except Exception:
-                name = "process"
-            watching = self._shared.exit_watcher.watch(
-                p.pid, lambda pid, name=name: self.report_trouble(f"{name} (pid {pid}) exited"))
-            if not watching:  # died between the tree scan and the watch
-                self.report_trouble(f"{name} (pid {p.pid}) exited")
-        self._on_change(self)
-
     # --- serving ------------------------------------------------------------------------
     async def _serve(self) -> str | None:
         """READY/UNHEALTHY: probe, canary, react. Returns a failure reason, or None on a command."""
-        interval = self._s.probe_interval_s
         failures = 0
-        next_probe = time.monotonic() + interval
+        next_probe = time.monotonic() + self._s.probe_interval_s
         while True:
             if self._command is not None:
                 return None
@@ -350,8 +325,7 @@ class Instance:
                 if not result.ok:
                     return f"{suspect}; canary: {result.reason}"
                 if self.state == State.UNHEALTHY:
-                    # UNHEALTHY -> READY (the daemon resets the outlier streak on READY)
-                    self._move(State.READY, "canary passed after ejection")
+                    self._move(State.READY, "canary passed after ejection")  # UNHEALTHY -> READY
                 continue
             delay = next_probe - time.monotonic()
             if delay > 0:
@@ -359,10 +333,8 @@ class Instance:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), delay)
                 continue
-            next_probe = time.monotonic() + interval
-            result = await self._until_woken(
-                probe_instance(self._shared.session, self.base_url, self._s.served_model,
-                               self._s.probe_timeout_s))
+            next_probe = time.monotonic() + self._s.probe_interval_s
+            result = await self._until_woken(self.checks.probe(self._s.served_model, self._s.probe_timeout_s))
             if result is None:
                 continue
             if not result.ok:
@@ -383,9 +355,8 @@ class Instance:
             if self.state == State.UNHEALTHY:
                 self._move(State.READY, "health probe passed")  # UNHEALTHY -> READY
 
-    async def _canary(self):
-        result = await run_canary(self._shared.session, self.base_url, self._s.served_model,
-                                  self.canary_body, self._s.canary_deadline_s)
+    async def _canary(self) -> ProbeResult:
+        result = await self.checks.canary(self._s.served_model, self.canary_body, self._s.canary_deadline_s)
         self.canary.ran()
         return result
 
@@ -405,99 +376,14 @@ class Instance:
             await task
         return None
 
-    # --- stopping -------------------------------------------------------------------------
-    async def _stop_group(self, failed: bool = False) -> None:
-        """Every process of the group gone, ports free, GPUs released, shm cleaned.
-
-        A clean stop gives every process --stop-grace-s to finish its requests. A failed
-        group has nothing left to drain (a TP job missing a rank cannot answer), so its
-        orphans (a dead rank's Python stubs, often blocked mid-request and deaf to
-        SIGTERM) are SIGKILLed at once and the rest get a short grace: restart overhead
-        is what clients wait for.
-        """
-        s = self._shared
-        t0 = time.monotonic()
-        for pid in self.pids:
-            s.exit_watcher.unwatch(pid)
-        state_dir = str(s.state_dir.root)
-        procs = {p.pid: p for p in tagged_processes(state_dir, self.id)}
-        pgids: list[int] = []
-        if self.mpirun is not None:
-            for p in process_tree(self.mpirun.pid):
-                procs.setdefault(p.pid, p)
-            if self.mpirun.returncode is None:
-                pgids.append(self.mpirun.pid)  # its own session: pgid == pid
-        grace = self._s.stop_grace_s
-        if failed:
-            grace = min(grace, FAILED_GROUP_GRACE_S)
-            for pid, proc in list(procs.items()):
-                if _orphaned(proc):
-                    s.ops.kill(pid, signal.SIGKILL)
-        killed = await stop_processes(procs.values(), grace, s.ops, pgids=pgids,
-                                      rescan=lambda: tagged_processes(state_dir, self.id))
-        t_killed = time.monotonic()
-        if killed and self._log:
-            self._log.note(f"SIGKILLed after {grace:g}s grace: {killed}")  # the grace applied
-        if self.mpirun is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.mpirun.wait(), 5)
-            if self._log:
-                self._log.note(f"mpirun exited with code {self.mpirun.returncode}")
-        for task in (self._exit_wait, self._pump):
-            if task is not None:
-                if not task.done():
-                    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                        await asyncio.wait_for(task, 2)
-                task.cancel()
-        self._exit_wait = self._pump = None
-        t_reaped = time.monotonic()
-        stopped_pids = set(self.pids) | set(procs)  # before READY, self.pids is only mpirun
-        self.mpirun, self.pids, self.ready_at = None, [], None
-        self._clean_shm()
-        await self._wait_released(stopped_pids)
-        log.debug("instance=%s stop: processes %.3fs (%d SIGKILLed, grace %gs), reap+log %.3fs, "
-                  "release %.3fs", self.id, t_killed - t0, len(killed), grace, t_reaped - t_killed,
-                  time.monotonic() - t_reaped)
-        self._on_change(self)
-
-    def _clean_shm(self) -> None:
-        # A SIGKILLed Python-backend stub leaves its regions in /dev/shm (RAM); they are ours.
-        for rank in range(self.plan.tp):
-            prefix = shm_prefix(self.id, rank, shm_scope(str(self._shared.state_dir.root)))
-            for path in glob.glob(f"/dev/shm/{prefix}*"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-
-    async def _wait_released(self, pids: set[int], timeout_s: float = 10.0) -> None:
-        """Ports free and (with NVML) the group's GPUs no longer hold its processes."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            busy = taken_ports(self.plan.bind_address, self.plan.ports.all())
-            holders = set()
-            if self._shared.gpu_holders is not None:
-                holders = self._shared.gpu_holders(self.plan.gpus) & pids
-            if not busy and not holders:
-                return
-            if busy and not holders:
-                owners = listening_pids(self.plan.ports.all())
-                if owners is not None and not owners & pids:
-                    # Another program holds the port: waiting cannot free it, and the next
-                    # start reports who holds it (BACKOFF) instead of stalling here for 10 s.
-                    return
-            await asyncio.sleep(0.05)
-        log.warning("instance=%s resources still held %.0fs after stop (ports %s, GPU pids %s)",
-                    self.id, timeout_s, busy, sorted(holders))
-
-
-def _orphaned(proc) -> bool:
-    try:
-        return proc.ppid() == 1
-    except Exception:
-        return False
+    # --- the daemon's own end -----------------------------------------------------------
+    async def stop_now(self) -> None:
+        """For a daemon that failed: stop the group without going through the state machine."""
+        await self.group.stop(self._s.stop_grace_s, failed=True)
+        self._log.close()
 
 
 def _canary_body(settings: Settings) -> dict:
     if settings.canary_body:
-        import json
         return json.loads(settings.canary_body)
     return default_canary_body()

@@ -12,6 +12,7 @@ process of the run carries.
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import logging
 import os
@@ -58,10 +59,17 @@ def _looks_like_nginx(proc: psutil.Process, sd: StateDir) -> bool:
 
 
 async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float) -> list[int]:
-    procs = leftover_processes(sd)
+    procs = await asyncio.to_thread(leftover_processes, sd)
     pids = [p.pid for p in procs]
     if procs:
-        await stop_processes(procs, grace_s, ops, rescan=lambda: tagged_processes(str(sd.root)))
+        async def rescan() -> list[psutil.Process]:
+            return await asyncio.to_thread(tagged_processes, str(sd.root))
+        await stop_processes(procs, grace_s, ops, rescan=rescan)
+    await asyncio.to_thread(_sweep_shm)
+    return pids
+
+
+def _sweep_shm() -> None:
     for path in glob.glob("/dev/shm/orch_i*_r*_*"):
         # Only regions whose owners are gone; our prefixes are unique to this tool.
         try:
@@ -69,7 +77,6 @@ async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float) -> list[int]
                 os.unlink(path)
         except OSError:
             pass
-    return pids
 
 
 def _shm_in_use(path: str) -> bool:

@@ -10,14 +10,20 @@ Layout:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import OrchError
+
+log = logging.getLogger("trtllm-orch")
 
 
 class AlreadyRunning(OrchError):
@@ -117,3 +123,36 @@ class StateDir:
 
     def clear_state(self) -> None:
         self.state_path.unlink(missing_ok=True)
+
+
+class StateWriter:
+    """Writes state.json off the event loop and coalesces bursts of changes.
+
+    The record is taken on the loop when the write starts (consistent, cheap); the
+    dump and fsync run in a worker thread. A state change inside a proxy's request
+    handler (an ejection) then costs an Event.set(), not a disk flush.
+    """
+
+    def __init__(self, state_dir: StateDir, snapshot: Callable[[], dict[str, Any]]):
+        self._sd = state_dir
+        self._snapshot = snapshot
+        self._dirty = asyncio.Event()
+
+    def mark_dirty(self) -> None:
+        self._dirty.set()
+
+    async def run(self) -> None:
+        """Owned by the daemon, cancelled at its end (after the last write finished)."""
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            write = asyncio.ensure_future(asyncio.to_thread(self._sd.write_state, self._snapshot()))
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                # Let the thread finish, so no write lands after the daemon cleared the file.
+                with contextlib.suppress(Exception):
+                    await write
+                raise
+            except OSError as exc:
+                log.error("cannot write %s: %s", self._sd.state_path, exc)

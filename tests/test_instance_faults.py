@@ -15,7 +15,9 @@ import aiohttp
 
 from orchestrator.config import Settings
 from orchestrator.health.exit_watch import ExitWatcher
+from orchestrator.health.checks import InstanceChecks
 from orchestrator.instance import Instance, Shared
+from orchestrator.launcher.group import ProcessGroup
 from orchestrator.launcher.command import LaunchCommand
 from orchestrator.launcher.process_tree import OsOps
 from orchestrator.plan import InstancePlan, Ports
@@ -50,8 +52,11 @@ class Harness:
     async def __aenter__(self) -> "Harness":
         self.session = aiohttp.ClientSession()
         self.watcher = ExitWatcher(asyncio.get_running_loop())
-        shared = Shared(self.settings, self.state_dir, self.ops, self.session, self.watcher,
-                        lambda plan: LaunchCommand(("/bin/true",), {}), None)
+        root = str(self.state_dir.root)
+        shared = Shared(self.settings, self.state_dir, lambda plan: LaunchCommand(("/bin/true",), {}),
+                        lambda plan, log, trouble: ProcessGroup(plan, root, self.ops, self.watcher, None,
+                                                                log, trouble),
+                        lambda backend: InstanceChecks(self.session, backend.http_url))
         self.inst = Instance(self.plan, shared, lambda i: self.moves.append((i.state, i.reason)))
         self.task = asyncio.create_task(self.inst.supervise())
         return self

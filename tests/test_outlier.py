@@ -1,73 +1,83 @@
-"""OutlierDetector: consecutive failures per instance eject exactly once."""
+"""PassiveHealth: consecutive proxy-seen failures on one instance eject it exactly once."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.health.outlier import OutlierDetector
+from orchestrator.health.outlier import PassiveHealth
+
+pytestmark = pytest.mark.unit
+
+
+class Recorder:
+    def __init__(self, threshold: int) -> None:
+        self.ejections: list[str] = []
+        self.oks = 0
+        self.health = PassiveHealth(threshold, self.ejections.append, self._ok)
+
+    def _ok(self) -> None:
+        self.oks += 1
+
+    def fail(self, n: int, reason: str = "502") -> list[int]:
+        """Number of ejections after each of n failures."""
+        out = []
+        for _ in range(n):
+            self.health.failure(reason)
+            out.append(len(self.ejections))
+        return out
 
 
 def test_ejects_exactly_when_the_threshold_is_crossed() -> None:
-    d = OutlierDetector(3)
-    assert [d.record_failure("a", "502") for _ in range(6)] == [False, False, True, False, False, False]
-    assert d.consecutive("a") == 6
+    r = Recorder(3)
+    assert r.fail(6) == [0, 0, 1, 1, 1, 1]
+    assert r.health.consecutive == 6
+    assert "3 consecutive proxy failures (last: 502)" in r.ejections[0]
 
 
-def test_success_breaks_the_streak() -> None:
-    d = OutlierDetector(3)
-    d.record_failure("a", "502")
-    d.record_failure("a", "502")
-    d.record_success("a")
-    assert d.consecutive("a") == 0
-    assert [d.record_failure("a", "x") for _ in range(3)] == [False, False, True]
+def test_success_breaks_the_streak_and_counts_as_traffic() -> None:
+    r = Recorder(3)
+    r.fail(2)
+    r.health.success()
+    assert r.health.consecutive == 0 and r.oks == 1
+    assert r.fail(3) == [0, 0, 1]
 
 
 def test_streak_after_success_can_eject_again() -> None:
-    d = OutlierDetector(2)
-    assert [d.record_failure("a", "x") for _ in range(2)] == [False, True]
-    d.record_success("a")
-    assert [d.record_failure("a", "x") for _ in range(2)] == [False, True]
-
-
-def test_instances_are_independent() -> None:
-    d = OutlierDetector(2)
-    assert d.record_failure("a", "x") is False
-    assert d.record_failure("b", "y") is False
-    d.record_success("b")
-    assert d.record_failure("a", "x") is True
-    assert d.record_failure("b", "y") is False
+    r = Recorder(2)
+    assert r.fail(2) == [0, 1]
+    r.health.success()
+    assert r.fail(2) == [1, 2]
 
 
 def test_reset_forgets_streak_and_reason() -> None:
-    d = OutlierDetector(2)
-    d.record_failure(0, "connect refused")
-    assert d.last_reason(0) == "connect refused"
-    d.reset(0)
-    assert d.consecutive(0) == 0 and d.last_reason(0) == ""
-    assert d.record_failure(0, "x") is False
+    r = Recorder(2)
+    r.fail(1, "connect refused")
+    assert r.health.last_reason == "connect refused"
+    r.health.reset()
+    assert r.health.consecutive == 0 and r.health.last_reason == ""
+    assert r.fail(1) == [0]
 
 
 def test_threshold_one_ejects_on_first_failure() -> None:
-    d = OutlierDetector(1)
-    assert d.record_failure("a", "x") is True
-    assert d.record_failure("a", "x") is False
-
-
-def test_unknown_instance_operations_are_harmless() -> None:
-    d = OutlierDetector(3)
-    d.record_success("nope")
-    d.reset("nope")
-    assert d.consecutive("nope") == 0
+    r = Recorder(1)
+    assert r.fail(2) == [1, 1]
 
 
 def test_last_reason_is_the_latest() -> None:
-    d = OutlierDetector(5)
-    d.record_failure("a", "first")
-    d.record_failure("a", "second")
-    assert d.last_reason("a") == "second"
+    r = Recorder(5)
+    r.fail(1, "first")
+    r.fail(1, "second")
+    assert r.health.last_reason == "second"
+
+
+def test_threshold_can_change_on_reload() -> None:
+    r = Recorder(5)
+    r.fail(1)
+    r.health.threshold = 2
+    assert r.fail(1) == [1]
 
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_rejects_bad_threshold(bad: int) -> None:
     with pytest.raises(ValueError, match="threshold"):
-        OutlierDetector(bad)
+        PassiveHealth(bad, lambda _: None, lambda: None)

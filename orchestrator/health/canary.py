@@ -63,15 +63,18 @@ class CanaryScheduler:
     """
 
     def __init__(self, interval_s: float, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if interval_s < 0 or idle_s < 0:
-            raise ValueError(f"interval_s={interval_s!r}, idle_s={idle_s!r}: must be zero or more")
-        self.interval_s = interval_s
-        self.idle_s = idle_s
+        self.configure(interval_s, idle_s)
         self._clock = clock
         now = clock()
         # The instance was just probed ready, so both timers start now, not at -inf.
         self._last_canary = now
         self._last_success = now
+
+    def configure(self, interval_s: float, idle_s: float) -> None:
+        if interval_s < 0 or idle_s < 0:
+            raise ValueError(f"interval_s={interval_s!r}, idle_s={idle_s!r}: must be zero or more")
+        self.interval_s = interval_s
+        self.idle_s = idle_s
 
     def note_traffic(self) -> None:
         """A request through the proxy completed OK on this instance."""

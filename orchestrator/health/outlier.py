@@ -1,45 +1,55 @@
-"""Passive health: the proxy reports each upstream outcome, and an instance whose
-requests fail N times in a row is ejected (taken out of rotation, then checked).
+"""Passive health: the proxies report each upstream outcome to the instance that
+served it, and an instance whose requests fail N times in a row is ejected (taken
+out of rotation, then checked by a canary).
 
 Consecutive, not a rate: under heavy traffic a rate hides a dead instance behind
 many good ones for a while, while N straight failures on one instance is a strong
-signal that costs nothing to compute (Envoy's consecutive_5xx). Pure logic.
+signal that costs nothing to compute (Envoy's consecutive_5xx).
+
+One object per instance, owned by it: a proxy holds it through the instance's
+`Backend` and calls it directly, so a report is one call, not a relay.
 """
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Callable
 
 
-class OutlierDetector:
-    def __init__(self, threshold: int) -> None:
-        if threshold < 1:
-            raise ValueError(f"threshold={threshold!r}: must be at least 1")
+class PassiveHealth:
+    def __init__(self, threshold: int, on_eject: Callable[[str], None], on_ok: Callable[[], None]) -> None:
         self.threshold = threshold
-        self._streak: dict[Hashable, int] = {}
-        self._last_reason: dict[Hashable, str] = {}
+        self._on_eject = on_eject
+        self._on_ok = on_ok
+        self._streak = 0
+        self.last_reason = ""
 
-    def record_failure(self, instance_id: Hashable, reason: str) -> bool:
-        """True exactly once per streak: on the failure that reaches the threshold.
+    @property
+    def threshold(self) -> int:
+        return self._threshold
 
-        Later failures in the same streak return False so the caller ejects once,
-        not once per request.
-        """
-        streak = self._streak.get(instance_id, 0) + 1
-        self._streak[instance_id] = streak
-        self._last_reason[instance_id] = reason
-        return streak == self.threshold
+    @threshold.setter
+    def threshold(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"threshold={value!r}: must be at least 1")
+        self._threshold = value
 
-    def record_success(self, instance_id: Hashable) -> None:
-        self._streak.pop(instance_id, None)
+    @property
+    def consecutive(self) -> int:
+        return self._streak
 
-    def reset(self, instance_id: Hashable) -> None:
+    def failure(self, reason: str) -> None:
+        """A connect failure, reset or 5xx. Ejects exactly once per streak, on the
+        failure that reaches the threshold, not once per later request."""
+        self._streak += 1
+        self.last_reason = reason
+        if self._streak == self._threshold:
+            self._on_eject(f"ejected after {self._threshold} consecutive proxy failures (last: {reason})")
+
+    def success(self) -> None:
+        self._streak = 0
+        self._on_ok()
+
+    def reset(self) -> None:
         """The instance was restarted or re-admitted: its old streak says nothing now."""
-        self._streak.pop(instance_id, None)
-        self._last_reason.pop(instance_id, None)
-
-    def consecutive(self, instance_id: Hashable) -> int:
-        return self._streak.get(instance_id, 0)
-
-    def last_reason(self, instance_id: Hashable) -> str:
-        return self._last_reason.get(instance_id, "")
+        self._streak = 0
+        self.last_reason = ""

@@ -48,6 +48,16 @@ class RestartPolicy:
     def __init__(self, initial_s: float, cap_s: float, stable_after_s: float, max_failures: int,
                  window_s: float, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self.configure(initial_s, cap_s, stable_after_s, max_failures, window_s)
+        self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
+        self._failures: collections.deque[float] = collections.deque()  # monotonic times, oldest first
+        self._repeats = 0  # failures since the last stable READY (or ever)
+        self._ready_since: float | None = None
+
+    def configure(self, initial_s: float, cap_s: float, stable_after_s: float, max_failures: int,
+                  window_s: float) -> None:
+        """Set the knobs (also on a reload: the failure history is kept)."""
         for name, value in (("initial_s", initial_s), ("cap_s", cap_s), ("stable_after_s", stable_after_s)):
             if value < 0:
                 raise ValueError(f"{name}={value!r}: must be zero or more")
@@ -60,11 +70,6 @@ class RestartPolicy:
         self.stable_after_s = stable_after_s
         self.max_failures = max_failures
         self.window_s = window_s
-        self._rng = rng if rng is not None else random.Random()
-        self._clock = clock
-        self._failures: collections.deque[float] = collections.deque()  # monotonic times, oldest first
-        self._repeats = 0  # failures since the last stable READY (or ever)
-        self._ready_since: float | None = None
 
     def record_ready(self) -> None:
         """The instance became READY; the stable timer starts now.

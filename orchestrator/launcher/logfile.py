@@ -23,6 +23,10 @@ class RotatingLog:
         os.chmod(path, 0o600)
         self._size = self._fh.tell()
 
+    def configure(self, max_bytes: int, backups: int) -> None:
+        self.max_bytes = max_bytes
+        self.backups = backups
+
     def write_line(self, line: bytes) -> None:
         if self._size + len(line) > self.max_bytes:
             self._rotate()

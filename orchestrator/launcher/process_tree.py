@@ -14,17 +14,20 @@ orphan to us).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
+import glob
 import os
 import shutil
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import psutil
 
 from .command import ENV_INSTANCE, ENV_STATE_DIR
+from .ports import listening_pids, taken_ports
 
 _PR_SET_PDEATHSIG = 1
 
@@ -74,6 +77,37 @@ class OsOps:
         except (ProcessLookupError, PermissionError):
             pass
 
+    # Discovery. These block (they read /proc or the socket table): callers on the
+    # event loop run them in a worker thread (asyncio.to_thread).
+    def process_tree(self, root_pid: int) -> list[psutil.Process]:
+        return process_tree(root_pid)
+
+    def group_processes(self, state_dir: str, instance_id: str, root_pid: int | None) -> list[psutil.Process]:
+        """The union of the live tree under `root_pid` and every process tagged for the instance."""
+        procs = {p.pid: p for p in tagged_processes(state_dir, instance_id)}
+        if root_pid is not None:
+            for p in process_tree(root_pid):
+                procs.setdefault(p.pid, p)
+        return list(procs.values())
+
+    def create_time(self, pid: int) -> float | None:
+        try:
+            return psutil.Process(pid).create_time()
+        except psutil.Error:
+            return None
+
+    def taken_ports(self, host: str, ports: tuple[int, ...]) -> list[str]:
+        return taken_ports(host, ports)
+
+    def listening_pids(self, ports: tuple[int, ...]) -> set[int] | None:
+        return listening_pids(ports)
+
+    def unlink_shm(self, prefixes: Iterable[str]) -> None:
+        for prefix in prefixes:
+            for path in glob.glob(f"/dev/shm/{prefix}*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
 
 def alive(proc: psutil.Process) -> bool:
     """Running and not a zombie (a zombie holds no resources, only a pid)."""
@@ -119,13 +153,21 @@ def same_process(pid: int, create_time: float) -> bool:
         return False
 
 
+# A rescan reads every process's environment on the host: cheap enough every 200 ms
+# (in a worker thread), not every 20 ms. Liveness checks of known pids stay at 20 ms.
+RESCAN_EVERY_S = 0.2
+POLL_S = 0.02
+
+Rescan = Callable[[], Awaitable[list[psutil.Process]]]
+
+
 async def stop_processes(procs: Iterable[psutil.Process], grace_s: float, ops: OsOps,
                          first_signal: int = signal.SIGTERM, pgids: Iterable[int] = (),
-                         rescan=None) -> list[int]:
+                         rescan: Rescan | None = None) -> list[int]:
     """TERM (or `first_signal`), wait up to `grace_s`, KILL what is left; return the pids KILLed.
 
-    `rescan` (optional) returns processes that appeared meanwhile (a rank forked
-    a stub while we were stopping): they are added before the final check.
+    `rescan` (optional, async) returns processes that appeared meanwhile (a rank
+    forked a stub while we were stopping): they are added before the final check.
     """
     live = {p.pid: p for p in procs if alive(p)}
     for pgid in pgids:
@@ -134,16 +176,22 @@ async def stop_processes(procs: Iterable[psutil.Process], grace_s: float, ops: O
         ops.kill(proc.pid, first_signal)
     deadline = time.monotonic() + grace_s
     killed: list[int] = []
+    next_rescan = 0.0
     while True:
-        if rescan is not None:
-            for p in rescan():
+        if rescan is not None and time.monotonic() >= next_rescan:
+            for p in await rescan():
                 live.setdefault(p.pid, p)
+            next_rescan = time.monotonic() + RESCAN_EVERY_S
         live = {pid: p for pid, p in live.items() if alive(p)}
         if not live:
-            return killed
+            late = await rescan() if rescan is not None else []  # one last look before "done"
+            if not late:
+                return killed
+            live.update((p.pid, p) for p in late)
+            continue
         if time.monotonic() >= deadline:
             break
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(POLL_S)
     for pgid in pgids:
         ops.killpg(pgid, signal.SIGKILL)
     for pid in live:
@@ -152,14 +200,23 @@ async def stop_processes(procs: Iterable[psutil.Process], grace_s: float, ops: O
     # SIGKILL cannot be ignored; a process in uninterruptible sleep (a GPU driver
     # call) may still take a moment, so wait for it rather than declare it gone.
     hard_deadline = time.monotonic() + 30
+    next_rescan = 0.0
     while time.monotonic() < hard_deadline:
-        if rescan is not None:
-            for p in rescan():
+        if rescan is not None and time.monotonic() >= next_rescan:
+            for p in await rescan():
                 if p.pid not in live:
                     ops.kill(p.pid, signal.SIGKILL)
                     live[p.pid] = p
+            next_rescan = time.monotonic() + RESCAN_EVERY_S
         live = {pid: p for pid, p in live.items() if alive(p)}
         if not live:
-            break
-        await asyncio.sleep(0.02)
+            if rescan is None:
+                break
+            late = [p for p in await rescan() if p.pid not in live]
+            if not late:
+                break
+            for p in late:
+                ops.kill(p.pid, signal.SIGKILL)
+                live[p.pid] = p
+        await asyncio.sleep(POLL_S)
     return killed

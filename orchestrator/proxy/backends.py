@@ -1,15 +1,19 @@
 """The set of instances that may receive traffic, owned by the daemon.
 
 The daemon is the only writer (`publish`); proxies only read (`current`) and
-subscribe (`subscribe`) to changes. Proxies report what they saw go wrong
-(`report_failure` / `report_success`) and the daemon decides what it means: the
-proxy never guesses which instances are ready.
+subscribe (`subscribe`) to changes: the proxy never guesses which instances are
+ready. What a proxy saw go wrong it tells the instance itself, through the
+`health` its `Backend` carries (the instance's own PassiveHealth).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..health.outlier import PassiveHealth
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,18 @@ class Backend:
     http_port: int
     grpc_port: int
     metrics_port: int
+    # The instance's passive health; not part of the identity (a Backend equals
+    # another with the same addresses), and None for backends nobody supervises.
+    health: "PassiveHealth | None" = field(default=None, compare=False, repr=False)
+
+    def report_failure(self, reason: str) -> None:
+        """A connect failure, reset or 5xx seen by a proxy."""
+        if self.health is not None:
+            self.health.failure(reason)
+
+    def report_success(self) -> None:
+        if self.health is not None:
+            self.health.success()
 
     @property
     def http_url(self) -> str:
@@ -39,6 +55,7 @@ class ReadyBackends:
         self._listeners: list[Listener] = []
         self._failure_sink: FailureSink | None = None
         self._success_sink: Callable[[str], None] | None = None
+        self._known: dict[str, Backend] = {}  # every backend ever published (it may have left)
 
     # --- daemon side -------------------------------------------------------------
     def publish(self, backends: tuple[Backend, ...]) -> None:
@@ -47,6 +64,7 @@ class ReadyBackends:
         if backends == self._ready:
             return
         self._ready = backends
+        self._known.update((b.instance_id, b) for b in backends)
         for listener in list(self._listeners):
             listener(backends)
 
@@ -66,7 +84,11 @@ class ReadyBackends:
         """A connect failure, reset or 5xx seen by a proxy (passive health)."""
         if self._failure_sink is not None:
             self._failure_sink(instance_id, reason)
+        if instance_id in self._known:
+            self._known[instance_id].report_failure(reason)
 
     def report_success(self, instance_id: str) -> None:
         if self._success_sink is not None:
             self._success_sink(instance_id)
+        if instance_id in self._known:
+            self._known[instance_id].report_success()

@@ -1,0 +1,32 @@
+"""The HTTP checks an instance's supervisor runs against its group's rank 0.
+
+One object per instance, so the state machine asks "is it ready / alive / able
+to generate" without knowing about sessions and URLs; unit tests of the state
+machine replace it with scripted answers (tests/fakes.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from .canary import run_canary
+from .probes import ProbeResult, probe_instance, wait_until_ready
+
+
+class InstanceChecks:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str):
+        self._session = session
+        self._base_url = base_url
+
+    async def wait_ready(self, model: str, deadline_s: float, is_alive: Callable[[], bool]) -> ProbeResult:
+        return await wait_until_ready(self._session, self._base_url, model, deadline_s, poll_s=0.1,
+                                      is_alive=is_alive)
+
+    async def probe(self, model: str, timeout_s: float) -> ProbeResult:
+        return await probe_instance(self._session, self._base_url, model, timeout_s)
+
+    async def canary(self, model: str, body: dict[str, Any], deadline_s: float) -> ProbeResult:
+        return await run_canary(self._session, self._base_url, model, body, deadline_s)

@@ -1,0 +1,230 @@
+"""One TP group's mpirun job, from spawn to "nothing of it is left".
+
+`ProcessGroup` is the process side of an instance: it spawns the job, copies its
+output into the instance log, reports any exit of its processes, and stops it
+(grace, SIGKILL, ports free, GPUs released, shared memory cleaned). The
+instance's state machine (`orchestrator/instance.py`) decides *when*; this
+decides nothing and only does. Unit tests of the state machine replace it
+(see tests/fakes.py).
+
+Every call that scans /proc, asks NVML or the kernel's socket table runs in a
+worker thread: the event loop that runs the group also serves traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import psutil
+
+from ..health.exit_watch import ExitWatcher
+from ..plan import InstancePlan
+from .command import LaunchCommand, shm_prefix, shm_scope
+from .logfile import RotatingLog, pump
+from .process_tree import OsOps, stop_processes
+
+log = logging.getLogger("trtllm-orch")
+
+# systemd's notify/watchdog variables are the daemon's alone (NotifyAccess=main).
+_DAEMON_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
+
+# Grace for the survivors of a group that already failed (see stop()).
+# 0.3 s: on the H200 acceptance run a 1 s grace was spent in full on every restart
+# (GPUs free after 0.2 s, relaunch after 1.2 s); a broken TP group has nothing to drain.
+FAILED_GROUP_GRACE_S = 0.3
+
+# How long stop() waits for ports and GPUs to be released before it gives up and
+# lets the next start report what still holds them.
+RELEASE_TIMEOUT_S = 10.0
+RELEASE_POLL_S = 0.05
+
+
+class LaunchFailed(Exception):
+    """The group could not be started; the message is the instance's failure reason."""
+
+
+Trouble = Callable[[str], None]  # called with a reason when a process of the group exits
+
+
+class ProcessGroup:
+    def __init__(self, plan: InstancePlan, state_dir: str, ops: OsOps, exit_watcher: ExitWatcher,
+                 gpu_holders: Callable[[tuple[int, ...]], set[int]] | None, log_file: RotatingLog,
+                 on_trouble: Trouble):
+        self.plan = plan
+        self._state_dir = state_dir
+        self._ops = ops
+        self._watcher = exit_watcher
+        self._gpu_holders = gpu_holders
+        self.log = log_file
+        self._on_trouble = on_trouble
+        self.mpirun: asyncio.subprocess.Process | None = None
+        self.mpirun_create_time: float | None = None
+        self.pids: list[int] = []
+        self.command: LaunchCommand | None = None  # what runs now: `status` shows it
+        self._stopping = False
+        self._pump: asyncio.Task | None = None
+        self._exit_wait: asyncio.Task | None = None
+
+    # --- views -----------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.mpirun is not None and self.mpirun.returncode is None
+
+    @property
+    def mpirun_pid(self) -> int | None:
+        return self.mpirun.pid if self.running else None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.mpirun.returncode if self.mpirun is not None else None
+
+    # --- launch ----------------------------------------------------------------------
+    async def launch(self, cmd: LaunchCommand) -> None:
+        """Spawn the job. Raises LaunchFailed with the reason (a taken port, a missing binary)."""
+        busy = await asyncio.to_thread(self._ops.taken_ports, self.plan.bind_address, self.plan.ports.all())
+        if busy:
+            raise LaunchFailed(f"port(s) {', '.join(busy)} already in use")
+        self.log.note("launch: " + cmd.shell_text())
+        env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
+        env.update(cmd.env)
+        try:
+            proc = await self._ops.spawn(cmd.argv, env, None)
+        except OSError as exc:
+            raise LaunchFailed(f"could not start {cmd.argv[0]}: {exc}") from None
+        self._stopping = False
+        self.command = cmd
+        self.mpirun = proc
+        self.mpirun_create_time = self._ops.create_time(proc.pid)  # one stat of /proc/PID
+        self.pids = [proc.pid]
+        self._pump = asyncio.create_task(pump(proc.stdout, self.log), name=f"log-pump-{self.plan.instance_id}")
+        self._exit_wait = asyncio.create_task(self._watch_mpirun(proc),
+                                              name=f"mpirun-wait-{self.plan.instance_id}")
+
+    async def _watch_mpirun(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if not self._stopping:
+            self._on_trouble(f"mpirun (pid {proc.pid}) exited with code {code}")
+
+    async def watch_all(self) -> None:
+        """Event-driven exit detection for every rank, daemon and stub of the running job."""
+        if self.mpirun is None:
+            return
+        procs = await asyncio.to_thread(self._ops.process_tree, self.mpirun.pid)
+        self.pids = [p.pid for p in procs] or [self.mpirun.pid]
+        for p in procs[1:]:  # mpirun itself is watched through proc.wait()
+            name = await asyncio.to_thread(_name, p)
+            watching = self._watcher.watch(
+                p.pid, lambda pid, name=name: self._report_exit(f"{name} (pid {pid}) exited"))
+            if not watching:  # died between the tree scan and the watch
+                self._report_exit(f"{name} (pid {p.pid}) exited")
+
+    def _report_exit(self, reason: str) -> None:
+        if not self._stopping:
+            self._on_trouble(reason)
+
+    # --- stop ------------------------------------------------------------------------
+    async def stop(self, grace_s: float, failed: bool = False) -> None:
+        """Every process of the group gone, ports free, GPUs released, shm cleaned.
+
+        A clean stop gives every process `grace_s` to finish its requests. A failed
+        group has nothing left to drain (a TP job missing a rank cannot answer), so its
+        orphans (a dead rank's Python stubs, often blocked mid-request and deaf to
+        SIGTERM) are SIGKILLed at once and the rest get a short grace: restart overhead
+        is what clients wait for.
+        """
+        self._stopping = True
+        t0 = time.monotonic()
+        for pid in self.pids:
+            self._watcher.unwatch(pid)
+        iid = self.plan.instance_id
+        root = self.mpirun.pid if self.mpirun is not None else None
+        procs = await asyncio.to_thread(self._ops.group_processes, self._state_dir, iid, root)
+        pgids = [root] if self.running else []  # its own session: pgid == pid
+        if failed:
+            grace_s = min(grace_s, FAILED_GROUP_GRACE_S)
+            orphans = await asyncio.to_thread(lambda: [p.pid for p in procs if _orphaned(p)])
+            for pid in orphans:
+                self._ops.kill(pid, signal.SIGKILL)
+
+        async def rescan() -> list[psutil.Process]:
+            return await asyncio.to_thread(self._ops.group_processes, self._state_dir, iid, None)
+
+        killed = await stop_processes(procs, grace_s, self._ops, pgids=pgids, rescan=rescan)
+        t_killed = time.monotonic()
+        if killed:
+            self.log.note(f"SIGKILLed after {grace_s:g}s grace: {killed}")
+        if self.mpirun is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.mpirun.wait(), 5)
+            self.log.note(f"mpirun exited with code {self.mpirun.returncode}")
+        await self._end_tasks()
+        t_reaped = time.monotonic()
+        stopped_pids = set(self.pids) | {p.pid for p in procs}  # before READY, self.pids is only mpirun
+        self.mpirun, self.pids, self.command = None, [], None
+        await asyncio.to_thread(self._ops.unlink_shm, self._shm_prefixes())
+        await self._wait_released(stopped_pids)
+        log.debug("instance=%s stop: processes %.3fs (%d SIGKILLed, grace %gs), reap+log %.3fs, "
+                  "release %.3fs", iid, t_killed - t0, len(killed), grace_s, t_reaped - t_killed,
+                  time.monotonic() - t_reaped)
+
+    async def _end_tasks(self) -> None:
+        for task in (self._exit_wait, self._pump):
+            if task is not None:
+                if not task.done():
+                    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                        await asyncio.wait_for(task, 2)
+                task.cancel()
+        self._exit_wait = self._pump = None
+
+    def _shm_prefixes(self) -> list[str]:
+        # A SIGKILLed Python-backend stub leaves its regions in /dev/shm (RAM); they are ours.
+        scope = shm_scope(self._state_dir)
+        return [shm_prefix(self.plan.instance_id, rank, scope) for rank in range(self.plan.tp)]
+
+    async def _wait_released(self, pids: set[int]) -> None:
+        """Ports free and (with NVML) the group's GPUs no longer hold its processes."""
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        ports = self.plan.ports.all()
+        busy: list[str] = []
+        holders: set[int] = set()
+        while time.monotonic() < deadline:
+            busy, holders, strangers = await asyncio.to_thread(self._held, ports, pids)
+            if not busy and not holders:
+                return
+            if strangers:
+                # Another program holds the port: waiting cannot free it, and the next
+                # start reports who holds it (BACKOFF) instead of stalling here for 10 s.
+                return
+            await asyncio.sleep(RELEASE_POLL_S)
+        log.warning("instance=%s resources still held %.0fs after stop (ports %s, GPU pids %s)",
+                    self.plan.instance_id, RELEASE_TIMEOUT_S, busy, sorted(holders))
+
+    def _held(self, ports: tuple[int, ...], pids: set[int]) -> tuple[list[str], set[int], bool]:
+        """(taken ports, our pids still on the GPUs, whether the ports are held by a stranger)."""
+        busy = self._ops.taken_ports(self.plan.bind_address, ports)
+        holders = self._gpu_holders(self.plan.gpus) & pids if self._gpu_holders is not None else set()
+        strangers = False
+        if busy and not holders:
+            owners = self._ops.listening_pids(ports)
+            strangers = owners is not None and not owners & pids
+        return busy, holders, strangers
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return "process"
+
+
+def _orphaned(proc: psutil.Process) -> bool:
+    try:
+        return proc.ppid() == 1
+    except psutil.Error:
+        return False

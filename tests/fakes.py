@@ -1,0 +1,92 @@
+"""Stand-ins for the process side of an instance, for unit tests of its state machine.
+
+`FakeGroup` replaces `launcher.group.ProcessGroup` and `FakeChecks` replaces
+`health.checks.InstanceChecks`: the instance's supervisor runs its real code
+(state machine, health loop, backoff, passive health) against scripted answers,
+without a process or a socket. The real ones are tested end to end elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from orchestrator.health.probes import ProbeResult
+from orchestrator.launcher.group import LaunchFailed
+
+OK = ProbeResult(True, "", 0.0)
+
+
+def bad(reason: str) -> ProbeResult:
+    return ProbeResult(False, reason, 0.0)
+
+
+class FakeGroup:
+    def __init__(self, plan, log_file, on_trouble) -> None:
+        self.plan = plan
+        self.log = log_file
+        self._on_trouble = on_trouble
+        self.running = False
+        self.exit_code: int | None = None
+        self.mpirun = None
+        self.mpirun_create_time: float | None = None
+        self.pids: list[int] = []
+        self.command = None
+        self.launched: list = []  # every LaunchCommand, in order
+        self.stops: list[tuple[float, bool]] = []  # (grace, failed)
+        self.launch_error: str | None = None
+
+    @property
+    def mpirun_pid(self) -> int | None:
+        return self.pids[0] if self.running else None
+
+    async def launch(self, cmd) -> None:
+        if self.launch_error:
+            raise LaunchFailed(self.launch_error)
+        self.launched.append(cmd)
+        self.command, self.running, self.exit_code = cmd, True, None
+        self.pids = [10_000 + len(self.launched)]
+
+    async def watch_all(self) -> None:
+        pass
+
+    async def stop(self, grace_s: float, failed: bool = False) -> None:
+        self.stops.append((grace_s, failed))
+        self.running, self.pids, self.command = False, [], None
+
+    def die(self, reason: str, code: int = 137) -> None:
+        """A process of the group exited (what the exit watcher would report)."""
+        self.running, self.exit_code = False, code
+        self._on_trouble(reason)
+
+
+@dataclass
+class FakeChecks:
+    """Scripted answers; each list is consumed front first, its last entry repeats."""
+
+    ready: list[ProbeResult] = field(default_factory=lambda: [OK])
+    probes: list[ProbeResult] = field(default_factory=lambda: [OK])
+    canaries: list[ProbeResult] = field(default_factory=lambda: [OK])
+    canary_gate: asyncio.Event | None = None  # set to let a canary answer (a hung instance)
+    calls: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def _next(answers: list[ProbeResult]) -> ProbeResult:
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+    async def wait_ready(self, model, deadline_s, is_alive) -> ProbeResult:
+        self.calls.append("ready")
+        await asyncio.sleep(0)
+        return self._next(self.ready)
+
+    async def probe(self, model, timeout_s) -> ProbeResult:
+        self.calls.append("probe")
+        await asyncio.sleep(0)
+        return self._next(self.probes)
+
+    async def canary(self, model, body, deadline_s) -> ProbeResult:
+        self.calls.append("canary")
+        if self.canary_gate is not None:
+            await self.canary_gate.wait()
+        await asyncio.sleep(0)
+        return self._next(self.canaries)
