@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -168,29 +167,15 @@ def scenario_small(rounds: int, c16_s: float, c1_s: float, profile: bool) -> dic
     return out
 
 
-_SLOTS_PATCH = """
-_BENCH_SLOTS = threading.BoundedSemaphore(int(os.environ.get("BENCH_MODEL_SLOTS") or 1000000))
-"""
+def capacity_repo(dest: Path, slots: int) -> Path:
+    """A demo repository (the TRT-LLM twin) with `slots` in-flight batch slots per
+    instance: the rest queue in the engine, as in a real one, so balancing policies
+    change latency."""
+    sys.path.insert(0, str(DEMO_REPO.parent))
+    import fill_template
 
-
-def capacity_repo(dest: Path) -> Path:
-    """A copy of demo/model_repo whose tensorrt_llm model runs at most $BENCH_MODEL_SLOTS
-    generations at once per instance (the rest wait, as requests wait for a free in-flight
-    batch slot in a real engine). The demo model itself runs every request in its own
-    thread, so without a limit an instance never queues and no balancing policy can change
-    latency. Only this temporary copy is patched."""
-    repo = dest / "model_repo"
-    shutil.copytree(DEMO_REPO, repo)
-    model = repo / "tensorrt_llm" / "1" / "model.py"
-    text = model.read_text()
-    anchor = "GPU_HOLD_BYTES = "
-    head = "    def _generate(self, request):\n"
-    assert anchor in text and head in text, "demo model changed: update bench.proxy_bench.capacity_repo"
-    text = text.replace(anchor, _SLOTS_PATCH + anchor, 1)
-    text = text.replace(head, head + "        with _BENCH_SLOTS:\n            return self._generate_slot(request)\n\n"
-                        "    def _generate_slot(self, request):\n", 1)
-    model.write_text(text)
-    return repo
+    return fill_template.write_repo(dest / "model_repo", streaming=True,
+                                    overrides={"triton_max_batch_size": str(slots)})
 
 
 def scenario_mixed(rounds: int, seconds: float, seed: int, slots: int) -> dict[str, Any]:
@@ -198,8 +183,7 @@ def scenario_mixed(rounds: int, seconds: float, seed: int, slots: int) -> dict[s
     env = {"DEMO_TOKEN_DELAY_MS": "5"}
     kw: dict[str, Any] = {}
     if slots:
-        env["BENCH_MODEL_SLOTS"] = str(slots)
-        kw["model_repo"] = capacity_repo(tmp)
+        kw["model_repo"] = capacity_repo(tmp, slots)
     run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", env_extra=env, **kw)
     ngx = rr = None
     out: dict[str, Any] = {"token_delay_ms": 5, "max_tokens": [1, 64], "seed": seed,
