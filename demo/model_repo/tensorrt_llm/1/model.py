@@ -338,14 +338,20 @@ class TritonPythonModel:
         # cancel in the engine; the slot and blocks are freed at its next iteration.
         period = max(self.settings.cancellation_check_period_ms, 10) / 1000.0
         while not self._stop_poll.wait(period):
+            cancelled = []
+            # Under the lock: an entry leaves `inflight` (under it) before its final response
+            # is sent, and is_cancelled() on a sender whose final response went out touches a
+            # freed response factory (tritonserver died with SIGSEGV in
+            # TRITONBACKEND_ResponseFactoryIsCancelled under concurrent load).
             with self.lock:
-                items = list(self.inflight.items())
-            for eid, (pending, _row, _seq) in items:
-                try:
-                    if pending.sender.is_cancelled():
-                        self.loop.cancel(eid)
-                except Exception:
-                    pass
+                for eid, (pending, _row, _seq) in self.inflight.items():
+                    try:
+                        if pending.sender.is_cancelled():
+                            cancelled.append(eid)
+                    except Exception:
+                        pass
+            for eid in cancelled:
+                self.loop.cancel(eid)
 
     def finalize(self):
         if self.loop is not None:
