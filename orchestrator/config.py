@@ -174,11 +174,6 @@ class Settings:
             return Path(self.state_dir).expanduser().absolute()
         return default_state_dir()
 
-    def with_changes(self, **changes: Any) -> "Settings":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def flag(name: str) -> str:

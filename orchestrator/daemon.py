@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from .config import Settings, reload_changes
+from .config import APPLIED_AT_RELAUNCH, Settings, reload_changes
 from .control import ControlServer
 from .errors import OrchError
 from .health.checks import InstanceChecks
@@ -207,10 +207,17 @@ class Daemon:
 
     # --- load balancer ---------------------------------------------------------------
     async def _start_proxies(self) -> None:
-        from .proxy import make_proxies
-        self.proxies = make_proxies(self.settings, self.backends, self.state_dir.root)
+        from .proxy import make_proxies, planned_backends
+        self.proxies = make_proxies(self.settings, self.backends, self.state_dir.root,
+                                    planned=planned_backends(self.plan), on_change=self._proxy_changed)
         for proxy in self.proxies:
             await proxy.start()
+
+    def _proxy_changed(self) -> None:
+        # A proxy's own process changed (nginx died or was restarted): state.json must name
+        # the new pid (the reaper's list after a kill -9 of the daemon) and systemd must tell.
+        self._write_state()
+        self._report_to_systemd()
 
     async def _stop_proxies(self) -> None:
         proxies, self.proxies = self.proxies, []
@@ -303,6 +310,8 @@ class Daemon:
             new = await asyncio.to_thread(self._reload_config)
             changed = reload_changes(self.settings, new.settings)  # raises for a fixed field
             self._apply(new, changed)
+        if self._notifier is not None:
+            self._notifier.reloading()  # `systemctl reload` waits for the READY=1 at its end
         self._reload_task = asyncio.get_running_loop().create_task(self._rolling_restart(why),
                                                                     name="rolling-restart")
 
@@ -325,8 +334,10 @@ class Daemon:
             apply = getattr(proxy, "apply_settings", None)
             if apply is not None:
                 apply(new.settings)
-        log.info("reload: config generation %d; changed: %s", self._shared.generation,
-                 ", ".join(changed) or "nothing")
+        at_relaunch = [name for name in changed if name in APPLIED_AT_RELAUNCH]
+        now = [name for name in changed if name not in APPLIED_AT_RELAUNCH]
+        log.info("reload: config generation %d; applied now: %s; at each relaunch: %s",
+                 self._shared.generation, ", ".join(now) or "-", ", ".join(at_relaunch) or "-")
 
     async def _rolling_restart(self, why: str) -> None:
         log.info("rolling restart (%s): %d instance(s), one at a time", why, len(self.instances))
@@ -341,6 +352,8 @@ class Daemon:
                                 and inst.state in (State.READY, State.FAILED))
             log.info("rolling restart: instance=%s is %s", inst.id, inst.state.value)
         log.info("rolling restart done")
+        if self._notifier is not None:
+            self._notifier.ready(f"reloaded: {self.ready_count()}/{len(self.instances)} instances ready")
 
     # --- systemd -------------------------------------------------------------------------
     def _report_to_systemd(self) -> None:
@@ -349,6 +362,10 @@ class Daemon:
         ready, total = self.ready_count(), len(self.instances)
         restarts = sum(i.restarts for i in self.instances.values())
         text = f"{ready}/{total} instances ready, {restarts} restarts"
+        for proxy in self.proxies:  # e.g. "; nginx restarting: nginx master 12 killed by SIGKILL"
+            st = proxy.status() if hasattr(proxy, "status") else {}
+            if st.get("state", "running") != "running":
+                text += f"; {st.get('kind', 'proxy')} {st['state']}: {st.get('last_failure', '')}"
         need = self.settings.ready_min or total
         # READY=1 once: the endpoint is bound (proxies start before instances) and enough
         # instances answer behind it.

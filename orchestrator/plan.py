@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .errors import UsageError
 
@@ -38,9 +38,6 @@ class InstancePlan:
 @dataclass(frozen=True)
 class Plan:
     instances: tuple[InstancePlan, ...]
-
-    def to_json(self) -> list[dict]:
-        return [asdict(i) for i in self.instances]
 
 
 def make_plan(gpus: tuple[int, ...], tp: int, base_port: int, bind_address: str,

@@ -37,10 +37,6 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.FAILED: frozenset({State.STARTING, State.STOPPED}),
 }
 
-# States in which processes of the instance may exist.
-RUNNING_STATES = frozenset({State.STARTING, State.READY, State.UNHEALTHY, State.STOPPING})
-# States in which the supervisor will not do anything more on its own.
-RESTING_STATES = frozenset({State.STOPPED, State.FAILED})
 SERVING_STATES = frozenset({State.READY})
 
 

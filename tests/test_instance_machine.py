@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -177,7 +178,7 @@ async def test_restart_out_of_failed(tmp_path):
 async def test_reload_applies_knobs_now_and_the_command_at_the_next_launch(tmp_path):
     rig = Rig(tmp_path)
     async with rig:
-        new = rig.settings.with_changes(outlier_failures=1, model_repo="/models/b", max_failures=9,
+        new = dataclasses.replace(rig.settings, outlier_failures=1, model_repo="/models/b", max_failures=9,
                                         canary_interval_s=7.0)
         rig.shared.settings = new
         rig.shared.build_command = lambda plan: LaunchCommand(("mpirun", "B"), {})

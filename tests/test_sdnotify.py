@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from orchestrator.service.sdnotify import SystemdNotifier
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
@@ -42,7 +45,9 @@ def test_messages_are_single_datagrams(receiver) -> None:
     n.stopping()
     assert recv(sock) == "STOPPING=1"
     n.reloading()
-    assert recv(sock) == "RELOADING=1"
+    first, second = recv(sock).split("\n")
+    assert first == "RELOADING=1" and second.startswith("MONOTONIC_USEC=")
+    assert abs(int(second.split("=")[1]) - time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000) < 5_000_000
     n.close()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Mapping
 
 _log = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class SystemdNotifier:
         self._send("STOPPING=1")
 
     def reloading(self) -> None:
-        self._send("RELOADING=1")
+        """A reload began; READY=1 ends it. systemd >= 253 wants the time it began, too."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self._send(f"RELOADING=1\nMONOTONIC_USEC={usec}")
 
     def extend_timeout(self, seconds: float) -> None:
         """Ask for `seconds` more before the start (or stop) timeout fires."""
