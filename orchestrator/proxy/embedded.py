@@ -1,6 +1,7 @@
 """The embedded HTTP reverse proxy: one public endpoint in front of the ready instances.
 
 Request path, in order:
+  head and body deadlines, connection cap (client_guard.py) ->
   surface check (403/404/405 never reach an instance) -> local health answers ->
   body read into memory (bounded: 413) so it can be re-sent -> pick an instance ->
   forward -> relay the response.
@@ -33,6 +34,7 @@ from ..config import Settings, parse_host_port
 from ..errors import OrchError
 from .backends import Backend, ReadyBackends
 from .balancer import Balancer
+from .client_guard import BodyTimeout, ClientLimits, GuardedServer
 from .headers import TrustedPeers, client_response_headers, upstream_request_headers
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import NO_INSTANCE, ProxyMetrics
@@ -107,6 +109,8 @@ class EmbeddedProxy:
         self.metrics = ProxyMetrics()
         self._max_body = settings.max_body_bytes
         self._max_attempts = settings.max_attempts
+        self._limits = ClientLimits(settings.client_header_timeout_s, settings.client_body_timeout_s,
+                                    settings.max_client_connections)
         self._allow_admin = settings.allow_admin
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
@@ -150,9 +154,9 @@ class EmbeddedProxy:
 
     async def _listen(self, handler: Any, address: str, flag: str) -> web.ServerRunner:
         host, port = parse_host_port(address, flag)
-        server = web.Server(handler, handler_cancellation=True, access_log=None,
-                            auto_decompress=False, keepalive_timeout=CLIENT_KEEPALIVE_S,
-                            logger=self._http_log)
+        server = GuardedServer(handler, limits=self._limits, log=self._log, handler_cancellation=True,
+                               access_log=None, auto_decompress=False,
+                               keepalive_timeout=CLIENT_KEEPALIVE_S, logger=self._http_log)
         runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CANCEL_GRACE_S)
         await runner.setup()
         try:
@@ -288,6 +292,8 @@ class EmbeddedProxy:
                 if total > self._max_body:
                     return _error(413, f"request body over {self._max_body} bytes", close=True)
                 parts.append(chunk)
+        except BodyTimeout as exc:
+            return _error(408, str(exc), close=True)
         except Exception as exc:
             # Truncated or malformed chunked body (aiohttp's payload errors), or the
             # client went away mid-body. Nothing to forward; the connection is done.

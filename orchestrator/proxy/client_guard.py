@@ -1,0 +1,200 @@
+"""Slow clients and too many clients, for the embedded proxy's aiohttp listeners.
+
+aiohttp's server closes an idle keep-alive connection (keepalive_timeout) but has no
+deadline for a client that sends its request slowly: a head trickled one header at
+a time, or a body trickled one byte at a time, holds a connection and a handler for
+as long as the client likes. NGINX has client_header_timeout/client_body_timeout for
+this; `GuardedServer` (a drop-in for aiohttp's low-level `web.Server`) adds:
+
+- a head deadline: the request line and headers must be complete header_timeout_s
+  after the connect (a connection's first request) or after the first byte of a
+  later keep-alive request. Else: 408, and the connection is closed.
+- a body deadline: the whole body must have arrived body_timeout_s after the head.
+  Else the body's reads raise BodyTimeout, and the handler answers 408 and closes.
+  A whole-body deadline, not NGINX's per-read one: a body trickled one byte per
+  second would never trip a per-read timeout.
+- a cap on open connections: beyond max_connections, a new connection gets a 503
+  and is closed at once, with a rate-limited warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+LOG_INTERVAL_S = 10.0  # at most one line per this long for each kind of event
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+
+    def __post_init__(self) -> None:
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0 or self.max_connections < 1:
+            raise ValueError(f"client limits must be positive: {self}")
+
+
+class BodyTimeout(asyncio.TimeoutError):
+    """The request body did not arrive in time; raised by the body's reads.
+
+    A TimeoutError so that aiohttp's lingering read after the response (which
+    tolerates timeouts) ends quietly instead of logging an unhandled exception.
+    """
+
+
+def _raw_response(status: str, message: str, extra: str = "") -> bytes:
+    # Written straight to the transport: no request object exists to answer through.
+    body = '{"error":"' + message + '"}'
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n{body}").encode()
+
+
+_REFUSED = _raw_response("503 Service Unavailable", "too many client connections", "Retry-After: 1\r\n")
+_HEAD_TIMEOUT = _raw_response("408 Request Timeout", "request head not received in time")
+
+
+class _Throttled:
+    """A log line for a repeated event, at most once per interval, with the count."""
+
+    __slots__ = ("_log", "_level", "_count", "_next")
+
+    def __init__(self, log: logging.Logger, level: int) -> None:
+        self._log = log
+        self._level = level
+        self._count = 0
+        self._next = 0.0
+
+    def __call__(self, message: str, *args: Any) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now >= self._next:
+            self._log.log(self._level, message + " (%d since the last such line)", *args, self._count)
+            self._count = 0
+            self._next = now + LOG_INTERVAL_S
+
+
+class GuardedServer(web.Server):
+    """aiohttp's low-level Server with deadlines for slow clients and a connection cap."""
+
+    def __init__(self, handler: Handler, *, limits: ClientLimits, log: logging.Logger,
+                 **kwargs: Any) -> None:
+        protocol_kwargs = {k: v for k, v in kwargs.items()
+                           if k not in ("request_factory", "handler_cancellation", "loop")}
+        super().__init__(self._guarded, **kwargs)
+        self._handler = handler
+        self._protocol_kwargs = protocol_kwargs
+        self._event_loop = asyncio.get_running_loop()
+        self.limits = limits
+        self.open_connections = 0
+        self._refusals = _Throttled(log, logging.WARNING)
+        self._cuts = _Throttled(log, logging.INFO)
+
+    def __call__(self) -> RequestHandler:
+        # The protocol factory: one protocol per accepted connection.
+        return _GuardedProtocol(self, loop=self._event_loop, **self._protocol_kwargs)
+
+    async def _guarded(self, request: web.BaseRequest) -> web.StreamResponse:
+        protocol = request.protocol
+        if isinstance(protocol, _GuardedProtocol):
+            protocol.stop_head_timer()
+        timer = None
+        if request.body_exists and not request.content.is_eof():  # a small body came with the head
+            timer = self._event_loop.call_later(self.limits.body_timeout_s, self._body_expired, request)
+        try:
+            return await self._handler(request)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _body_expired(self, request: web.BaseRequest) -> None:
+        content = request.content
+        if not content.is_eof():
+            content.set_exception(BodyTimeout(f"request body not received within "
+                                              f"{self.limits.body_timeout_s:g} s"))
+            self.cut("body", request.remote)
+
+    def cut(self, part: str, peer: Any) -> None:
+        self._cuts("cut slow client %s: request %s not received within %g s", peer, part,
+                   self.limits.header_timeout_s if part == "head" else self.limits.body_timeout_s)
+
+    def refuse(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(_REFUSED)  # type: ignore[attr-defined]
+        transport.close()
+        self._refusals("client connection limit reached (max_client_connections=%d): refused %s "
+                       "with 503", self.limits.max_connections, transport.get_extra_info("peername"))
+
+
+class _GuardedProtocol(RequestHandler):
+    """aiohttp's per-connection protocol, plus the head deadline and the connection count."""
+
+    __slots__ = ("_guard", "_head_timer", "_counted")
+
+    def __init__(self, guard: GuardedServer, **kwargs: Any) -> None:
+        super().__init__(guard, **kwargs)
+        self._guard = guard
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        guard = self._guard
+        if guard.open_connections >= guard.limits.max_connections:
+            guard.refuse(transport)  # aiohttp never sees this connection
+            return
+        guard.open_connections += 1
+        self._counted = True
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.stop_head_timer()  # nothing to time any more
+        if not self._counted:
+            return
+        self._counted = False
+        self._guard.open_connections -= 1
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._counted:
+            return
+        super().data_received(data)
+        # Still waiting after these bytes: they began a keep-alive request's head but did
+        # not complete it. (Checked after parsing: a head that arrives whole, the usual
+        # case, costs no timer.)
+        if self._head_timer is None and self._awaiting_request():
+            self._arm_head_timer()
+
+    def stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_expired)
+
+    def _awaiting_request(self) -> bool:
+        # aiohttp's own idle test (RequestHandler._process_keepalive): between requests its
+        # start() loop waits on _waiter until the parser completes the next head. Not
+        # waiting: a request is being handled, or a complete head is queued behind it.
+        waiter = getattr(self, "_waiter", None)
+        return waiter is not None and not waiter.done()
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if not self._awaiting_request():
+            return
+        transport = self.transport
+        if transport is not None:
+            self._guard.cut("head", transport.get_extra_info("peername"))
+            transport.write(_HEAD_TIMEOUT)
+        self.force_close()  # closes after the 408 is flushed; start() ends as on keep-alive expiry

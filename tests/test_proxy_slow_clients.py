@@ -1,0 +1,215 @@
+"""Slow and surplus clients against the embedded proxy, in-process on loopback.
+
+Deadlines are short here (0.5 s) and the slow clients would need ten times longer
+to finish, so "cut" is an outcome, not a race: a client that is still trickling when
+the connection ends was cut by the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from orchestrator.config import Settings
+from orchestrator.errors import UsageError
+from orchestrator.proxy.backends import Backend, ReadyBackends
+from orchestrator.proxy.embedded import EmbeddedProxy
+
+pytestmark = pytest.mark.unit
+
+pytestmark = pytest.mark.unit
+
+DEADLINE_S = 0.5
+TRICKLE_EVERY_S = 0.2
+TRICKLE_PIECES = 50  # 10 s of trickling: twenty times the deadline
+GENERATE = b"POST /v2/models/m/generate HTTP/1.1\r\nHost: t\r\n"
+
+
+class Stack:
+    """One small aiohttp upstream and an EmbeddedProxy in front of it."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+        self.proxy: EmbeddedProxy | None = None
+        self.runner: web.ServerRunner | None = None
+
+    async def _upstream(self, request: web.BaseRequest) -> web.Response:
+        self.seen.append(await request.read())
+        return web.json_response({"ok": True})
+
+    async def start(self, **settings) -> "Stack":
+        self.runner = web.ServerRunner(web.Server(self._upstream, access_log=None))
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        ready = ReadyBackends()
+        ready.publish((Backend("0", "127.0.0.1", self.runner.addresses[0][1], 1, 2),))
+        base = dict(listen="127.0.0.1:0", metrics_listen="", client_header_timeout_s=DEADLINE_S,
+                    client_body_timeout_s=DEADLINE_S)
+        base.update(settings)
+        self.proxy = EmbeddedProxy(Settings(**base), ready)
+        await self.proxy.start()
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.proxy.bound_port
+
+    async def close(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.stop(grace_s=0.5)
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def stack():
+    made: list[Stack] = []
+
+    async def make(**settings) -> Stack:
+        made.append(Stack())
+        return await made[-1].start(**settings)
+
+    yield make
+    for s in made:
+        await s.close()
+
+
+async def read_to_eof(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await reader.read()
+    except ConnectionError:  # reset instead of FIN: cut all the same
+        return b""
+
+
+async def trickle(port: int, first: bytes, piece: bytes) -> tuple[bool, float, bytes]:
+    """(cut, seconds until the connection ended, what the proxy answered)."""
+    t0 = time.monotonic()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    answer = asyncio.ensure_future(read_to_eof(reader))
+    try:
+        writer.write(first)
+        for _ in range(TRICKLE_PIECES):
+            done, _ = await asyncio.wait({answer}, timeout=TRICKLE_EVERY_S)
+            if done:
+                return True, time.monotonic() - t0, answer.result()
+            writer.write(piece)
+        return False, time.monotonic() - t0, b""
+    finally:
+        answer.cancel()
+        writer.close()
+
+
+async def normal_requests_until(port: int, done: asyncio.Future) -> list[int]:
+    statuses = []
+    async with aiohttp.ClientSession() as session:
+        while not done.done() or not statuses:
+            async with session.post(f"http://127.0.0.1:{port}/v2/models/m/generate",
+                                    data=b'{"text_input":"hi"}') as resp:
+                await resp.read()
+                statuses.append(resp.status)
+    return statuses
+
+
+async def test_hundreds_of_slow_clients_cut_while_normal_requests_succeed(stack, caplog):
+    caplog.set_level(logging.INFO)
+    s = await stack()
+    n = 150
+    heads = [trickle(s.port, GENERATE, b"X-Slow: 1\r\n") for _ in range(n)]
+    bodies = [trickle(s.port, GENERATE + b"Content-Length: 1000\r\n\r\n", b"x") for _ in range(n)]
+    slow = asyncio.ensure_future(asyncio.gather(*heads, *bodies))
+    statuses = await normal_requests_until(s.port, slow)
+    results = await slow
+
+    assert statuses and set(statuses) == {200}, statuses
+    assert all(cut for cut, _, _ in results), "a slow client was never cut"
+    for kind, part in (("head", results[:n]), ("body", results[n:])):
+        answers = [a for _, _, a in part]
+        assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers), kind
+        assert any(a.startswith(b"HTTP/1.1 408") for a in answers), kind
+        # Held until the deadline (not refused early), then cut.
+        assert min(t for _, t, _ in part) >= DEADLINE_S * 0.9, kind
+        times = sorted(t for _, t, _ in part)
+        print(f"\n{kind}: {n} slow clients cut after {times[0]:.2f}-{times[-1]:.2f} s "
+              f"(median {statistics.median(times):.2f} s); {len(statuses)} normal requests, all 200")
+    assert len(s.seen) == len(statuses)  # no slow request reached the instance
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    cuts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cut slow client")]
+    assert 1 <= len(cuts) <= 2, cuts  # rate-limited: one line per interval, not one per client
+
+
+async def served(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """Send a GET /v2/health/live on a kept-alive connection; its status line."""
+    writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = [ln for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")]
+    await reader.readexactly(int(length[0].split(b":")[1]) if length else 0)
+    return head.split(b"\r\n")[0]
+
+
+async def test_keepalive_request_head_has_its_own_deadline(stack):
+    s = await stack()
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+    try:
+        assert await served(reader, writer) == b"HTTP/1.1 200 OK"
+        # Idle keep-alive is not a slow head: still usable after twice the deadline.
+        await asyncio.sleep(2 * DEADLINE_S)
+        assert await served(reader, writer) == b"HTTP/1.1 200 OK"
+        # A later request's head that trickles is cut like a first one.
+        writer.write(GENERATE)
+        answer = asyncio.ensure_future(read_to_eof(reader))
+        for _ in range(TRICKLE_PIECES):
+            done, _ = await asyncio.wait({answer}, timeout=TRICKLE_EVERY_S)
+            if done:
+                break
+            writer.write(b"X-Slow: 1\r\n")
+        assert answer.done(), "the trickled keep-alive head was never cut"
+        assert answer.result() == b"" or answer.result().startswith(b"HTTP/1.1 408")
+    finally:
+        writer.close()
+
+
+async def test_connection_cap_refuses_with_one_log_line(stack, caplog):
+    caplog.set_level(logging.INFO)
+    s = await stack(max_client_connections=5, client_header_timeout_s=30.0)
+    held = []
+    for _ in range(5):  # served once, then idle in keep-alive: counted by the proxy for sure
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        assert await served(reader, writer) == b"HTTP/1.1 200 OK"
+        held.append(writer)
+    try:
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            answer = await asyncio.wait_for(read_to_eof(reader), 5)  # closed at once, no request needed
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 503"), answer
+            writer.close()
+        lines = [r.getMessage() for r in caplog.records if "connection limit" in r.getMessage()]
+        assert len(lines) == 1, lines  # rate-limited
+        assert "max_client_connections=5" in lines[0] and r"503" in lines[0]
+    finally:
+        for w in held:
+            w.close()
+    # Room again once the held connections are gone.
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):
+            try:
+                async with session.get(f"http://127.0.0.1:{s.port}/v2/health/live") as resp:
+                    if resp.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("no connection accepted after the held ones closed")
+
+
+@pytest.mark.parametrize("name", ["client_header_timeout_s", "client_body_timeout_s",
+                                  "max_client_connections"])
+def test_limits_must_be_positive(name):
+    with pytest.raises(UsageError, match="--" + name.replace("_", "-")):
+        Settings(**{name: 0})
