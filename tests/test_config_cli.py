@@ -18,6 +18,7 @@ def cli(*args, cwd=REPO):
                           cwd=cwd, timeout=60)
 
 
+@pytest.mark.unit
 def test_flags_override_config(tmp_path):
     conf = tmp_path / "c.toml"
     conf.write_text('gpus = "0-3"\ntp = 2\nmodel-repo = "/m"\ntensorrt_llm_model = ["a", "b"]\n')
@@ -25,6 +26,7 @@ def test_flags_override_config(tmp_path):
     assert (s.gpus, s.tp, s.model_repo, s.tensorrt_llm_model) == ("0-3", 4, "/m", ("a", "b"))
 
 
+@pytest.mark.unit
 def test_unknown_config_key_names_the_key(tmp_path):
     conf = tmp_path / "c.toml"
     conf.write_text("tp = 2\ngpu = \"0\"\n")
@@ -33,6 +35,7 @@ def test_unknown_config_key_names_the_key(tmp_path):
     assert "'gpu'" in str(err.value) and "unknown key" in str(err.value)
 
 
+@pytest.mark.unit
 def test_config_type_error(tmp_path):
     conf = tmp_path / "c.toml"
     conf.write_text('tp = "two"\n')
@@ -40,6 +43,7 @@ def test_config_type_error(tmp_path):
         build_settings(str(conf), {})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field,value,needle", [
     ("tp", 0, "--tp=0"), ("proxy", "haproxy", "--proxy='haproxy'"), ("listen", "8080", "--listen='8080'"),
     ("lb_policy", "random", "--lb-policy"), ("probe_interval_s", -1.0, "--probe-interval-s=-1.0"),
@@ -51,6 +55,7 @@ def test_settings_validation(field, value, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args,needle", [
     (["--gpus", "0-3", "--tp", "3", "--assume-gpus", "4"], "--tp=3"),
     (["--gpus", "0-7", "--assume-gpus", "4"], "--gpus='0-7': GPU 4,5,6,7 not on this host (it has GPUs 0-3)"),
@@ -68,18 +73,39 @@ def test_up_bad_input_is_one_line_exit_2_and_starts_nothing(tmp_path, args, need
     assert not state.exists() or not any(state.iterdir())
 
 
+@pytest.mark.e2e
 def test_up_missing_model_repo(tmp_path):
     out = cli("up", "--assume-gpus", "2", "--model-repo", str(tmp_path / "nope"), "--state-dir", str(tmp_path / "s"))
     assert out.returncode == 2 and "--model-repo=" in out.stderr and "not a directory" in out.stderr
 
 
+# The CLI as on a host without the NVIDIA driver, also on a GPU host: libnvidia-ml cannot
+# be loaded, so pynvml's nvmlInit() fails exactly as it does there.
+WITHOUT_NVML = """
+import ctypes, runpy
+
+class NoNvml(ctypes.CDLL):
+    def __init__(self, name, *args, **kwargs):
+        if "nvidia-ml" in str(name):
+            raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+        super().__init__(name, *args, **kwargs)
+
+ctypes.CDLL = NoNvml  # before pynvml's `from ctypes import *`
+runpy.run_module("orchestrator", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.e2e
 def test_up_without_nvml_says_so(tmp_path):
-    out = cli("up", "--model-repo", str(tmp_path), "--state-dir", str(tmp_path / "s"))
-    assert out.returncode == 2
+    out = subprocess.run([sys.executable, "-c", WITHOUT_NVML, "up", "--model-repo", str(tmp_path),
+                          "--state-dir", str(tmp_path / "s")], capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
+    assert out.returncode == 2, out.stderr
     assert "NVML" in out.stderr and "--assume-gpus" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.e2e
 def test_up_port_taken_names_port_and_holder(tmp_path):
     import os
     import socket
@@ -102,6 +128,7 @@ def test_up_port_taken_names_port_and_holder(tmp_path):
     assert not (tmp_path / "s" / "daemon.lock").exists()
 
 
+@pytest.mark.e2e
 def test_plan_json_for_eight_gpus():
     out = cli("plan", "--gpus", "0-7", "--tp", "2", "--assume-gpus", "8", "--model-repo", "/models/llama", "--json")
     assert out.returncode == 0, out.stderr
@@ -112,6 +139,7 @@ def test_plan_json_for_eight_gpus():
     assert http == [8000, 8003, 8006, 8009]
 
 
+@pytest.mark.e2e
 def test_unknown_flag_is_one_line():
     out = cli("up", "--gpu", "0")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_REPO = REPO / "demo" / "model_repo"

@@ -369,13 +369,21 @@ def test_kill_python_backend_stub(orch_run):
 
 
 # --- hangs --------------------------------------------------------------------------------
-def test_sigstop_rank0_caught_by_probes(orch_run):
+def assert_describes_hang(last_failure: str) -> None:
+    """A stopped rank 0 answers nothing: the probes time out (3 in a row restart it) and a
+    canary due or in flight hits its deadline. Which of the two calls it first is a race
+    (a loaded machine decides), so either is this fault; the outcome is what the test checks."""
+    assert re.search(r"health probes failed|canary", last_failure), last_failure
+
+
+def test_sigstop_rank0_hang_detected_and_healed(orch_run):
     run = start_run(orch_run)
     rank0 = rank_proc(run, "0", 0)
-    # First failed probe takes the instance out of rotation; 3 failures restart it.
+    # Detected, out of rotation, healed (new pids, restarts + 1), nothing of the old group
+    # left, instance 1 untouched: fault_case checks all of it.
     out = fault_case(run, "SIGSTOP rank 0", lambda: rank0.send_signal(signal.SIGSTOP),
                      detect_within=0.5 + 0.5 + SLACK_S)
-    assert "health probes failed" in out.after["last_failure"], out.after
+    assert_describes_hang(out.after["last_failure"])
     # Gone, although a stopped process holds SIGTERM pending until SIGCONT. Here mpirun
     # (prterun) is alive and takes its rank down itself when it gets our SIGTERM; the
     # next case stops mpirun too, so only the orchestrator's grace + SIGKILL can end it.
@@ -392,7 +400,7 @@ def test_sigstop_whole_group_needs_sigkill_after_grace(orch_run):
             p.send_signal(signal.SIGSTOP)
 
     out = fault_case(run, "SIGSTOP whole group", inject, detect_within=0.5 + 0.5 + SLACK_S)
-    assert "health probes failed" in out.after["last_failure"], out.after
+    assert_describes_hang(out.after["last_failure"])
     assert not any(alive(p) for p in group)
     # Nothing of the group could act on SIGTERM: the grace period ran out and SIGKILL did it.
     log = (run.state_dir / "instances" / "0" / "instance.log").read_text(errors="replace")

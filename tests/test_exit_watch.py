@@ -15,6 +15,8 @@ import pytest
 
 from orchestrator.health.exit_watch import ExitWatcher
 
+pytestmark = pytest.mark.process
+
 # With pidfd the kill-to-callback latency is a few ms; the limits are generous so a
 # loaded machine stays green (test_pidfd_latency_is_event_driven checks the real bound).
 PIDFD_LIMIT_S = 0.5

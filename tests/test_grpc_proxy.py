@@ -39,8 +39,6 @@ try:
 except ImportError:  # pragma: no cover
     PYTRITON = None
 
-pytestmark = pytest.mark.e2e
-
 ECHO_CONFIG = """
 name: "echo"
 backend: "python"
@@ -349,6 +347,7 @@ def dead_backend() -> Backend:
 
 # --- tests ------------------------------------------------------------------------
 
+@pytest.mark.process
 async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
     a, b = tritons
     proxy, ready = await proxy_factory((a.backend, b.backend))
@@ -370,6 +369,7 @@ async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
     assert not sinks.failures and len(sinks.successes) == 40
 
 
+@pytest.mark.process
 async def test_round_robin_alternates(tritons, proxy_factory):
     proxy, _ = await proxy_factory(tuple(t.backend for t in tritons), lb_policy="round-robin")
     before = echo_counts(tritons)
@@ -382,6 +382,7 @@ async def test_round_robin_alternates(tritons, proxy_factory):
     assert [x - y for x, y in zip(echo_counts(tritons), before)] == [5, 5]
 
 
+@pytest.mark.process
 async def test_stream_infer_receives_every_response(tritons, proxy_factory):
     proxy, _ = await proxy_factory(tuple(t.backend for t in tritons))
     client = client_for(proxy)
@@ -409,6 +410,7 @@ async def test_stream_infer_receives_every_response(tritons, proxy_factory):
     assert sum(proxy.inflight().values()) == 0
 
 
+@pytest.mark.process
 async def test_demo_tensorrt_llm_stream_with_sync_client(tritons, proxy_factory):
     """The shared demo model (decoupled, TRT-LLM tensor names) through the proxy, with
     tritonclient's sync streaming API (its own thread, so the proxy's loop runs free)."""
@@ -457,6 +459,7 @@ async def test_demo_tensorrt_llm_stream_with_sync_client(tritons, proxy_factory)
     assert len(r1) == 6 and r1 == r2  # deterministic: the same prompt, the same tokens
 
 
+@pytest.mark.process
 async def test_admin_rpc_refused_and_model_stays_loaded(tritons, proxy_factory):
     proxy, _ = await proxy_factory(tuple(t.backend for t in tritons))
     client = client_for(proxy)
@@ -477,6 +480,7 @@ async def test_admin_rpc_refused_and_model_stays_loaded(tritons, proxy_factory):
             direct.close()
 
 
+@pytest.mark.process
 async def test_admin_rpc_allowed_with_allow_admin(tritons, proxy_factory):
     proxy, _ = await proxy_factory((tritons[0].backend,), allow_admin=True)
     client = client_for(proxy)
@@ -487,6 +491,7 @@ async def test_admin_rpc_allowed_with_allow_admin(tritons, proxy_factory):
         await client.close()
 
 
+@pytest.mark.process
 async def test_unknown_method_unimplemented(tritons, proxy_factory):
     proxy, _ = await proxy_factory(tuple(t.backend for t in tritons))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
@@ -496,6 +501,7 @@ async def test_unknown_method_unimplemented(tritons, proxy_factory):
             assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+@pytest.mark.unit
 async def test_no_ready_backend(proxy_factory):
     proxy, _ = await proxy_factory(())
     client = client_for(proxy)
@@ -514,6 +520,7 @@ async def test_no_ready_backend(proxy_factory):
         await client.close()
 
 
+@pytest.mark.process
 async def test_backend_removed_from_ready_set(tritons, proxy_factory):
     a, b = tritons
     proxy, ready = await proxy_factory((a.backend, b.backend))
@@ -535,6 +542,7 @@ async def test_backend_removed_from_ready_set(tritons, proxy_factory):
         await client.close()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("policy", ["least-outstanding", "round-robin"])
 async def test_retry_when_ready_backend_is_down(tritons, proxy_factory, policy):
     dead = dead_backend()
@@ -553,6 +561,7 @@ async def test_retry_when_ready_backend_is_down(tritons, proxy_factory, policy):
     assert "9" not in sinks.successes
 
 
+@pytest.mark.process
 async def test_stream_retried_before_first_response(tritons, proxy_factory):
     proxy, ready = await proxy_factory((dead_backend(), tritons[0].backend), lb_policy="round-robin")
     sinks = Sinks(ready)
@@ -579,6 +588,7 @@ async def test_stream_retried_before_first_response(tritons, proxy_factory):
     assert {i for i, _ in sinks.failures} == {"9"}
 
 
+@pytest.mark.unit
 async def test_all_backends_down_returns_upstream_unavailable(proxy_factory):
     proxy, ready = await proxy_factory((dead_backend(),), max_attempts=2)
     sinks = Sinks(ready)
@@ -593,6 +603,7 @@ async def test_all_backends_down_returns_upstream_unavailable(proxy_factory):
     assert sinks.failures
 
 
+@pytest.mark.process
 async def test_upstream_error_passed_through_unchanged(tritons, proxy_factory):
     proxy, _ = await proxy_factory((tritons[0].backend,))
     bad = grpcclient_aio.InferInput("INPUT0", [2], "INT32")  # the model wants FP32
@@ -611,6 +622,7 @@ async def test_upstream_error_passed_through_unchanged(tritons, proxy_factory):
     assert got.value.message() == want.value.message()
 
 
+@pytest.mark.process
 async def test_deadline_and_cancellation_reach_upstream(tritons, proxy_factory):
     proxy, _ = await proxy_factory((tritons[0].backend,))
     client = client_for(proxy)
@@ -645,6 +657,7 @@ async def test_deadline_and_cancellation_reach_upstream(tritons, proxy_factory):
         await client.close()
 
 
+@pytest.mark.process
 async def test_metadata_forwarded(tritons, proxy_factory):
     proxy, _ = await proxy_factory((tritons[0].backend,))
     client = client_for(proxy)
@@ -655,6 +668,7 @@ async def test_metadata_forwarded(tritons, proxy_factory):
         await client.close()
 
 
+@pytest.mark.unit
 async def test_bind_failure_names_the_address(proxy_factory):
     proxy, _ = await proxy_factory(())
     taken = f"127.0.0.1:{proxy.bound_port}"
@@ -727,6 +741,7 @@ async def fakes():
         await f.server.stop(None)
 
 
+@pytest.mark.unit
 async def test_fake_metadata_and_deadline_forwarded(fakes, proxy_factory):
     proxy, _ = await proxy_factory((fakes[0].backend,))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
@@ -738,6 +753,7 @@ async def test_fake_metadata_and_deadline_forwarded(fakes, proxy_factory):
     assert 4.0 <= remaining <= 5.0  # the client's deadline, not the proxy's 300 s default
 
 
+@pytest.mark.unit
 async def test_fake_no_client_deadline_gets_proxy_bound(fakes, proxy_factory):
     # A hung instance must not hold a unary call forever: without a client deadline
     # the proxy applies --idle-timeout-s.
@@ -747,6 +763,7 @@ async def test_fake_no_client_deadline_gets_proxy_bound(fakes, proxy_factory):
     assert 41.0 <= eval(out.decode())[2] <= 43.0  # grpc-timeout rounds up
 
 
+@pytest.mark.unit
 async def test_fake_status_details_and_trailers_passed_through(fakes, proxy_factory):
     proxy, ready = await proxy_factory((fakes[0].backend,))
     sinks = Sinks(ready)
@@ -760,6 +777,7 @@ async def test_fake_status_details_and_trailers_passed_through(fakes, proxy_fact
     assert not sinks.failures  # an answer from the instance is not an instance failure
 
 
+@pytest.mark.unit
 async def test_fake_server_side_unavailable_retried_not_blamed(fakes, proxy_factory):
     proxy, ready = await proxy_factory(tuple(f.backend for f in fakes), lb_policy="round-robin")
     sinks = Sinks(ready)
@@ -772,6 +790,7 @@ async def test_fake_server_side_unavailable_retried_not_blamed(fakes, proxy_fact
     assert not sinks.failures
 
 
+@pytest.mark.unit
 async def test_fake_stream_not_retried_after_first_response(fakes, proxy_factory):
     proxy, _ = await proxy_factory(tuple(f.backend for f in fakes))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
@@ -788,6 +807,7 @@ async def test_fake_stream_not_retried_after_first_response(fakes, proxy_factory
     assert sum(f.calls for f in fakes) == 1
 
 
+@pytest.mark.unit
 async def test_fake_stream_half_close_and_many_messages(fakes, proxy_factory):
     proxy, _ = await proxy_factory((fakes[1].backend,))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
@@ -798,6 +818,7 @@ async def test_fake_stream_half_close_and_many_messages(fakes, proxy_factory):
     assert proxy.inflight()["1"] == 0
 
 
+@pytest.mark.unit
 async def test_fake_stream_client_cancel_cancels_upstream(fakes, proxy_factory):
     proxy, _ = await proxy_factory((fakes[0].backend,))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
@@ -814,6 +835,7 @@ async def test_fake_stream_client_cancel_cancels_upstream(fakes, proxy_factory):
     assert proxy.inflight()["0"] == 0
 
 
+@pytest.mark.unit
 async def test_retired_channel_closed_and_stop_is_clean(fakes, proxy_factory):
     proxy, ready = await proxy_factory(tuple(f.backend for f in fakes), lb_policy="round-robin")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:

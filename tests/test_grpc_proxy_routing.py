@@ -9,10 +9,13 @@ import socket
 
 import grpc
 import grpc.aio
+import pytest
 
 from orchestrator.config import Settings
 from orchestrator.proxy.backends import Backend, ReadyBackends
 from orchestrator.proxy.grpc_proxy import GrpcProxy
+
+pytestmark = pytest.mark.unit
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 

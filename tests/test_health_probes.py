@@ -15,6 +15,8 @@ from aiohttp.test_utils import TestServer
 from orchestrator.health.canary import CanaryScheduler, default_canary_body, run_canary
 from orchestrator.health.probes import ProbeResult, probe_instance, wait_until_ready
 
+pytestmark = pytest.mark.unit
+
 MODEL = "ensemble"
 
 

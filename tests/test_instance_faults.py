@@ -12,6 +12,7 @@ import asyncio
 import errno
 
 import aiohttp
+import pytest
 
 from orchestrator.config import Settings
 from orchestrator.health.exit_watch import ExitWatcher
@@ -24,6 +25,8 @@ from orchestrator.plan import InstancePlan, Ports
 from orchestrator.states import State
 from orchestrator.statedir import StateDir
 from tests.harness import free_port_block
+
+pytestmark = pytest.mark.unit
 
 
 class SpawnFails(OsOps):

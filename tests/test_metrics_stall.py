@@ -6,6 +6,8 @@ import pytest
 
 from orchestrator.health.metrics_stall import StallDetector, parse
 
+pytestmark = pytest.mark.unit
+
 
 def scrape(counter: float, active: float, model: str = "tensorrt_llm") -> str:
     return f"""# HELP nv_trt_llm_request_metrics TRT LLM request metrics

@@ -104,6 +104,7 @@ def url(proxy: NginxProxy, path: str) -> str:
     return f"http://127.0.0.1:{proxy.bound_port}{path}"
 
 
+@pytest.mark.process
 async def test_routes_to_both_and_replaces_forwarded_for(upstreams, proxy_factory) -> None:
     ready = ReadyBackends()
     ready.publish(tuple(u.backend for u in upstreams))
@@ -126,6 +127,7 @@ async def test_routes_to_both_and_replaces_forwarded_for(upstreams, proxy_factor
     assert proxy.pids() and all(isinstance(p, int) for p in proxy.pids())
 
 
+@pytest.mark.process
 async def test_stream_is_not_buffered(upstreams, proxy_factory) -> None:
     up = upstreams[0]
     ready = ReadyBackends()
@@ -142,6 +144,7 @@ async def test_stream_is_not_buffered(upstreams, proxy_factory) -> None:
             assert b'"chunk":2' in rest
 
 
+@pytest.mark.process
 async def test_admin_and_unknown_paths_never_reach_upstream(upstreams, proxy_factory) -> None:
     ready = ReadyBackends()
     ready.publish(tuple(u.backend for u in upstreams))
@@ -171,6 +174,7 @@ async def test_admin_and_unknown_paths_never_reach_upstream(upstreams, proxy_fac
     assert all(u.hits == ["/v2/models/m/generate"] or u.hits == [] for u in upstreams)
 
 
+@pytest.mark.process
 async def test_allow_admin_passes_admin_paths(upstreams, proxy_factory) -> None:
     ready = ReadyBackends()
     ready.publish((upstreams[0].backend,))
@@ -181,6 +185,7 @@ async def test_allow_admin_passes_admin_paths(upstreams, proxy_factory) -> None:
     assert upstreams[0].hits == ["/v2/repository/index"]
 
 
+@pytest.mark.process
 async def test_body_limit(upstreams, proxy_factory) -> None:
     ready = ReadyBackends()
     ready.publish((upstreams[0].backend,))
@@ -192,6 +197,7 @@ async def test_body_limit(upstreams, proxy_factory) -> None:
     assert upstreams[0].hits == []
 
 
+@pytest.mark.process
 async def test_no_backend_then_one_becomes_ready(upstreams, proxy_factory) -> None:
     ready = ReadyBackends()
     proxy = await proxy_factory(ready)
@@ -212,6 +218,7 @@ async def test_no_backend_then_one_becomes_ready(upstreams, proxy_factory) -> No
             assert resp.status == 200
 
 
+@pytest.mark.process
 async def test_reload_keeps_in_flight_stream(upstreams, proxy_factory) -> None:
     a, b = upstreams
     ready = ReadyBackends()
@@ -236,6 +243,7 @@ async def test_reload_keeps_in_flight_stream(upstreams, proxy_factory) -> None:
     assert f"127.0.0.1:{a.port}" not in proxy.config_path.read_text()
 
 
+@pytest.mark.process
 async def test_bad_config_on_reload_keeps_the_old_one(upstreams, proxy_factory, monkeypatch) -> None:
     ready = ReadyBackends()
     ready.publish((upstreams[0].backend,))
@@ -265,6 +273,7 @@ def _zombie_or_gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.process
 async def test_stop_leaves_no_nginx_process(upstreams, tmp_path) -> None:
     ready = ReadyBackends()
     ready.publish((upstreams[0].backend,))
@@ -282,6 +291,7 @@ async def test_stop_leaves_no_nginx_process(upstreams, tmp_path) -> None:
     assert len(ready._listeners) == 0
 
 
+@pytest.mark.process
 async def test_stop_kills_when_graceful_quit_hangs(upstreams, tmp_path) -> None:
     """SIGQUIT waits for open requests; after the grace the whole group is killed."""
     up = upstreams[0]
@@ -300,6 +310,7 @@ async def test_stop_kills_when_graceful_quit_hangs(upstreams, tmp_path) -> None:
     assert not _group_alive(master)
 
 
+@pytest.mark.process
 async def test_wait_exited_reports_a_dead_master(upstreams, tmp_path) -> None:
     ready = ReadyBackends()
     ready.publish((upstreams[0].backend,))
@@ -315,6 +326,7 @@ async def test_wait_exited_reports_a_dead_master(upstreams, tmp_path) -> None:
     assert not _group_alive(master)  # ... until stop() kills the group
 
 
+@pytest.mark.unit
 async def test_port_taken_is_one_line_error(upstreams, tmp_path) -> None:
     blocker = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = blocker.sockets[0].getsockname()[1]
@@ -329,6 +341,7 @@ async def test_port_taken_is_one_line_error(upstreams, tmp_path) -> None:
         await blocker.wait_closed()
 
 
+@pytest.mark.unit
 async def test_missing_binary_names_the_flag(tmp_path) -> None:
     proxy = NginxProxy(make_settings(nginx="/nonexistent/nginx"), ReadyBackends(), tmp_path)
     with pytest.raises(EnvironmentProblem, match="--nginx='/nonexistent/nginx'"):
@@ -339,6 +352,7 @@ async def test_missing_binary_names_the_flag(tmp_path) -> None:
 grpc = pytest.importorskip("grpc")
 
 
+@pytest.mark.process
 async def test_grpc_admin_blocked_and_inference_passed(tmp_path) -> None:
     from grpc import aio
 

@@ -50,10 +50,12 @@ def directives(text: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
 
+@pytest.mark.unit
 def test_templates_dir_is_the_repo_configs() -> None:
     assert configs_dir() == Path(__file__).resolve().parent.parent / "configs"
 
 
+@pytest.mark.unit
 def test_full_config_keeps_everything_in_prefix(tmp_path: Path) -> None:
     text = render_nginx_config(settings(), TWO, tmp_path)
     lines = directives(text)
@@ -68,6 +70,7 @@ def test_full_config_keeps_everything_in_prefix(tmp_path: Path) -> None:
     assert "events {" in text and "http {" in text
 
 
+@pytest.mark.unit
 def test_upstream_and_proxy_settings() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
     up = directives(block(text, "upstream trtllm_http"))
@@ -97,12 +100,14 @@ def test_upstream_and_proxy_settings() -> None:
     assert "0 $remote_addr;" in directives(block(text, "map $trtllm_trusted_peer"))
 
 
+@pytest.mark.unit
 def test_trusted_proxy_keeps_chain() -> None:
     text = render_nginx_config(settings(trusted_proxy=("10.1.2.3", "192.168.0.0/16")), TWO, Path("/p"))
     geo = directives(block(text, "geo $trtllm_trusted_peer"))
     assert "10.1.2.3 1;" in geo and "192.168.0.0/16 1;" in geo
 
 
+@pytest.mark.unit
 def test_stream_location_is_unbuffered() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
     stream = directives(block(text, "location ~ ^/v2/models/[^/]+(/versions/[0-9]+)?/generate_stream$"))
@@ -112,6 +117,7 @@ def test_stream_location_is_unbuffered() -> None:
     assert "proxy_pass http://trtllm_http;" in stream
 
 
+@pytest.mark.unit
 def test_admin_blocked_by_default_and_first_in_order() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
     server = block(text, "server {")
@@ -133,6 +139,7 @@ def test_admin_blocked_by_default_and_first_in_order() -> None:
         assert not admin.search(path) and not model_admin.search(path), path
 
 
+@pytest.mark.unit
 def test_allow_admin_proxies_admin_paths() -> None:
     text = render_nginx_config(settings(allow_admin=True), TWO, Path("/p"))
     server = block(text, "server {")
@@ -142,6 +149,7 @@ def test_allow_admin_proxies_admin_paths() -> None:
     assert "grpc_pass" in block(grpc, "location ~ ^/inference\\.GRPCInferenceService/(Repository")
 
 
+@pytest.mark.unit
 def test_no_backend_renders_503_and_no_upstream() -> None:
     text = render_nginx_config(settings(), (), Path("/p"))
     assert not any(ln.startswith("upstream ") for ln in directives(text))
@@ -153,12 +161,14 @@ def test_no_backend_renders_503_and_no_upstream() -> None:
     assert any(ln.startswith("return 503 ") for ln in stream)
 
 
+@pytest.mark.unit
 def test_health_ready_answered_by_nginx() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
     ready = directives(block(text, "location = /v2/health/ready"))
     assert ready == ["return 200 '{\"ready\":true,\"backends\":2}';"]
 
 
+@pytest.mark.unit
 def test_grpc_server_and_admin_methods() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
     grpc = grpc_server(text)
@@ -180,16 +190,19 @@ def test_grpc_server_and_admin_methods() -> None:
     assert "grpc_pass grpc://trtllm_grpc;" in directives(block(grpc, "location /inference.GRPCInferenceService/"))
 
 
+@pytest.mark.unit
 def test_grpc_disabled() -> None:
     text = render_nginx_config(settings(grpc_listen=""), TWO, Path("/p"))
     assert "http2" not in text and "trtllm_grpc" not in text
 
 
+@pytest.mark.unit
 def test_ipv6_listen_is_bracketed() -> None:
     text = render_nginx_config(settings(listen="[::1]:18080"), TWO, Path("/p"))
     assert "listen [::1]:18080;" in directives(text)
 
 
+@pytest.mark.unit
 def test_snippet_has_no_main_context() -> None:
     text = render_nginx_config(settings(), TWO, None)
     lines = directives(text)
@@ -204,6 +217,7 @@ def nginx_t(conf: Path, prefix: Path) -> subprocess.CompletedProcess[str]:
                            "-g", "daemon off;"], capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.process
 @needs_nginx
 @pytest.mark.parametrize("variant", ["two", "none", "admin", "no-grpc", "trusted", "ipv6"])
 def test_rendered_full_config_passes_nginx_t(tmp_path: Path, variant: str) -> None:
@@ -222,6 +236,7 @@ def test_rendered_full_config_passes_nginx_t(tmp_path: Path, variant: str) -> No
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.process
 @needs_nginx
 def test_snippet_passes_nginx_t_inside_an_http_block(tmp_path: Path) -> None:
     (tmp_path / "site.conf").write_text(render_nginx_config(settings(), TWO, None))

@@ -8,6 +8,8 @@ from orchestrator.launcher.command import build_launch, rank_args, shm_prefix, s
 from orchestrator.launcher.mpi import MpiFlavour, parse_version_text
 from orchestrator.plan import make_plan
 
+pytestmark = pytest.mark.unit
+
 EIGHT = tuple(range(8))
 
 

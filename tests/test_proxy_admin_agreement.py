@@ -23,6 +23,8 @@ from orchestrator.proxy.nginx import render_nginx_config
 from orchestrator.proxy.surface import (ADMIN, ADMIN_API, ADMIN_GRPC_METHODS, GRPC_SERVICE,
                                         PUBLIC_GRPC_METHODS, classify)
 
+pytestmark = pytest.mark.unit
+
 TWO = (Backend("0", "127.0.0.1", 8000, 8001, 8002), Backend("1", "127.0.0.1", 8003, 8004, 8005))
 
 

@@ -8,6 +8,8 @@ import pytest
 from orchestrator.proxy.backends import Backend
 from orchestrator.proxy.balancer import Balancer
 
+pytestmark = pytest.mark.unit
+
 
 def be(i: int) -> Backend:
     return Backend(str(i), "127.0.0.1", 8000 + 3 * i, 8001 + 3 * i, 8002 + 3 * i)

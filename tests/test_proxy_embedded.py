@@ -21,6 +21,8 @@ from orchestrator.errors import OrchError
 from orchestrator.proxy.backends import Backend, ReadyBackends
 from orchestrator.proxy.embedded import EmbeddedProxy
 
+pytestmark = pytest.mark.unit
+
 
 # --- fixtures ----------------------------------------------------------------------
 

@@ -2,11 +2,14 @@
 
 import aiohttp
 from aiohttp import web
+import pytest
 
 from orchestrator.config import Settings
 from orchestrator.proxy.backends import Backend, ReadyBackends
 from orchestrator.proxy.embedded import EmbeddedProxy
 from tests.test_proxy_embedded import AppUpstream
+
+pytestmark = pytest.mark.unit
 
 GEN = "/v2/models/ensemble/generate"
 

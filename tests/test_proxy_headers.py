@@ -1,9 +1,12 @@
 """Header hygiene: hop-by-hop removal and X-Forwarded-* handling."""
 
 from multidict import CIMultiDict
+import pytest
 
 from orchestrator.proxy.headers import (HOP_BY_HOP, TrustedPeers, client_response_headers,
                                         connection_tokens, upstream_request_headers)
+
+pytestmark = pytest.mark.unit
 
 
 def h(*pairs):

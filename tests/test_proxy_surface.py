@@ -5,6 +5,8 @@ import pytest
 from orchestrator.proxy.surface import (ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, PUBLIC,
                                         READY, Surface, classify, normalise)
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("method,path", [
     ("POST", "/v2/models/ensemble/infer"),

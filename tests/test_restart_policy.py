@@ -8,6 +8,8 @@ import pytest
 
 from orchestrator.health.restart_policy import JITTER, RestartPolicy, ordinal
 
+pytestmark = pytest.mark.unit
+
 
 class FakeClock:
     def __init__(self, now: float = 1000.0) -> None:

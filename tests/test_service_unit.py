@@ -46,6 +46,7 @@ def sections(text: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.unit
 def test_unit_fields(tmp_path: Path) -> None:
     exe = fake_exe(tmp_path)
     text = render_unit(tmp_path / "orch.toml", exe, "/run/trtllm-orch", {"MODEL": "llama"}, None)
@@ -68,11 +69,13 @@ def test_unit_fields(tmp_path: Path) -> None:
     assert "Type=notify" in sections(text)["Service"]
 
 
+@pytest.mark.unit
 def test_timeout_stop_outlasts_grace(tmp_path: Path) -> None:
     text = render_unit(tmp_path / "c.toml", fake_exe(tmp_path), "/run/trtllm-orch", {}, None, stop_grace_s=60)
     assert int(keys(text)["TimeoutStopSec"][0]) > 3 * 60
 
 
+@pytest.mark.unit
 def test_escaping(tmp_path: Path) -> None:
     assert quote_exec_arg("/a/b.toml") == "/a/b.toml"
     assert quote_exec_arg("/my dir/100%.toml") == '"/my dir/100%%.toml"'
@@ -85,6 +88,7 @@ def test_escaping(tmp_path: Path) -> None:
     assert k["Environment"] == ['"A=x y"', '"B=say \\"hi\\" 50%%"']
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", [
     dict(environment={"BAD NAME": "x"}),
     dict(environment={"A": "line1\nline2"}),
@@ -99,6 +103,7 @@ def test_refuses_what_systemd_cannot_carry(tmp_path: Path, bad: dict) -> None:
         render_unit(**args)
 
 
+@pytest.mark.unit
 def test_install_unit_is_atomic_and_readable(tmp_path: Path) -> None:
     text = render_unit(tmp_path / "c.toml", fake_exe(tmp_path), "/run/trtllm-orch", {}, None)
     path = install_unit(text, tmp_path / "units")
@@ -112,6 +117,7 @@ def test_install_unit_is_atomic_and_readable(tmp_path: Path) -> None:
         install_unit(text, tmp_path / "units", name="../evil")
 
 
+@pytest.mark.process
 @pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed")
 @pytest.mark.parametrize("with_user", [False, True])
 def test_systemd_analyze_verify(tmp_path: Path, with_user: bool) -> None:
