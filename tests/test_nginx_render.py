@@ -108,6 +108,15 @@ def test_trusted_proxy_keeps_chain() -> None:
 
 
 @pytest.mark.unit
+def test_client_timeouts_follow_settings() -> None:
+    text = render_nginx_config(settings(client_header_timeout_s=2.5, client_body_timeout_s=7.0), TWO,
+                               Path("/p"))
+    http = directives(block(text, "server {"))
+    assert "client_header_timeout 2500ms;" in http and "client_body_timeout 7000ms;" in http
+    assert "client_header_timeout 2500ms;" in directives(grpc_server(text))
+
+
+@pytest.mark.unit
 def test_stream_location_is_unbuffered() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
     stream = directives(block(text, "location ~ ^/v2/models/[^/]+(/versions/[0-9]+)?/generate_stream$"))

@@ -93,8 +93,9 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         fail_timeout_s=FAIL_TIMEOUT_S,
         upstream_keepalive=UPSTREAM_KEEPALIVE,
         retry_after_s=RETRY_AFTER_S,
-        client_header_timeout_s=10,
-        client_body_timeout_s=30,
+        # Per read in nginx (the embedded proxy's body deadline is for the whole body).
+        client_header_timeout_ms=_ms(settings.client_header_timeout_s),
+        client_body_timeout_ms=_ms(settings.client_body_timeout_s),
         keepalive_timeout_s=75,
     )
 
