@@ -23,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 (NVIDIA's Triton containers): the same parser from PyPI
     import tomli as tomllib
 
-LB_POLICIES = ("least-outstanding", "round-robin")
+LB_POLICIES = ("least-outstanding", "round-robin", "kv-aware", "prefix-affinity")
 PROXY_MODES = ("embedded", "nginx", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -114,6 +114,11 @@ class Settings:
                                    group="health", metavar="S")
     canary_body: str = opt("", "JSON body of the canary generate request (default: 1-token generate)",
                            group="health", metavar="JSON")
+    engine_poll_s: float = opt(0.1, "scrape each instance's engine metrics (TRT-LLM's families) this "
+                               "often, for routing and stall detection (0 disables)", group="health", metavar="S")
+    stall_after_s: float = opt(10.0, "an engine whose iteration counter stays frozen this long with "
+                               "active requests is suspect: canary, then restart (0 disables)",
+                               group="health", metavar="S")
     outlier_failures: int = opt(5, "consecutive proxy-seen failures that eject an instance",
                                 group="health", metavar="N")
     backoff_initial_s: float = opt(1.0, "first restart delay after a repeat failure", group="health",
@@ -150,7 +155,7 @@ class Settings:
                      "client_body_timeout_s", "max_client_connections"):
             positive(name)
         for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
-                     "stable_after_s", "ready_min", "log_backups"):
+                     "stable_after_s", "ready_min", "log_backups", "engine_poll_s", "stall_after_s"):
             positive(name, allow_zero=True)
         for name, allowed in (("proxy", PROXY_MODES), ("lb_policy", LB_POLICIES), ("log_level", LOG_LEVELS)):
             if getattr(self, name) not in allowed:

@@ -99,7 +99,7 @@ class Daemon:
             return ProcessGroup(plan, root, self._ops, watcher, self._gpu_holders, log_file, on_trouble)
 
         return Shared(self.settings, self.state_dir, self._build_command, make_group,
-                      lambda backend: InstanceChecks(session, backend.http_url))
+                      lambda backend: InstanceChecks(session, backend.http_url, backend.metrics_url))
 
     async def _run_locked(self) -> int:
         loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from .config import Settings
 from .health.canary import CanaryScheduler, default_canary_body
 from .health.checks import InstanceChecks
+from .health.engine_state import EngineView
 from .health.outlier import PassiveHealth
 from .health.probes import ProbeResult
 from .health.restart_policy import RestartPolicy
@@ -96,9 +97,12 @@ class Instance:
         self.canary = CanaryScheduler(self._s.canary_interval_s, self._s.canary_idle_s)
         self.canary_body = _canary_body(self._s)
         self.passive = PassiveHealth(self._s.outlier_failures, self.suspect, self.canary.note_traffic)
+        self.engine = EngineView(stale_after_s=_stale_after(self._s))
+        self._engine_monitor: asyncio.Task | None = None  # runs while the group serves
         p = plan.ports
-        # What the proxies route to; it carries this instance's passive health.
-        self.backend = Backend(self.id, plan.bind_address, p.http, p.grpc, p.metrics, health=self.passive)
+        # What the proxies route to; it carries this instance's passive health and engine view.
+        self.backend = Backend(self.id, plan.bind_address, p.http, p.grpc, p.metrics,
+                               health=self.passive, engine=self.engine)
         self.group = shared.make_group(plan, self._log, self.report_trouble)
         self.checks = shared.make_checks(self.backend)
 
@@ -132,6 +136,7 @@ class Instance:
             "running": self.running_config,
             "passive": {"consecutive_failures": self.passive.consecutive,
                         "eject_after": self.passive.threshold},
+            "engine": self.engine.describe() if self.serving else None,
             "log": str(self.dir / "instance.log"),
             "log_tail": self.log_tail(10) if self.state not in SERVING_STATES else [],
             "errors": self.error_lines(5) if self.state not in SERVING_STATES else [],
@@ -184,6 +189,7 @@ class Instance:
                               settings.max_failures, settings.failure_window_s)
         self.canary.configure(settings.canary_interval_s, settings.canary_idle_s)
         self.passive.threshold = settings.outlier_failures
+        self.engine.stale_after_s = _stale_after(settings)
         self._log.configure(settings.log_max_bytes, settings.log_backups)
 
     # --- the state machine -----------------------------------------------------------
@@ -242,6 +248,7 @@ class Instance:
         if self.state == State.READY and failure:
             self._move(State.UNHEALTHY, failure)  # READY -> UNHEALTHY
         self._move(State.STOPPING, reason)  # * -> STOPPING
+        await self._stop_engine_monitor()
         await self.group.stop(self._s.stop_grace_s, failed=failure is not None)
         self.ready_at = None
         self.running_config = {}
@@ -305,8 +312,24 @@ class Instance:
         self.ready_at = time.monotonic()
         self.policy.record_ready()
         self.canary.ran()  # a fresh instance just answered: no canary needed right away
+        self._start_engine_monitor()
         self._move(State.READY, f"ready after {self.startup_s:.1f}s")  # STARTING -> READY
         return None
+
+    def _start_engine_monitor(self) -> None:
+        if self._s.engine_poll_s <= 0:
+            return
+        self._engine_monitor = asyncio.get_running_loop().create_task(
+            self.checks.monitor_engine(self.engine, self._s.engine_poll_s, self._s.stall_after_s, self.suspect),
+            name=f"engine-monitor-{self.id}")
+
+    async def _stop_engine_monitor(self) -> None:
+        task, self._engine_monitor = self._engine_monitor, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.engine.clear()
 
     # --- serving ------------------------------------------------------------------------
     async def _serve(self) -> str | None:
@@ -380,8 +403,14 @@ class Instance:
     # --- the daemon's own end -----------------------------------------------------------
     async def stop_now(self) -> None:
         """For a daemon that failed: stop the group without going through the state machine."""
+        await self._stop_engine_monitor()
         await self.group.stop(self._s.stop_grace_s, failed=True)
         self._log.close()
+
+
+def _stale_after(settings: Settings) -> float:
+    # Several missed scrapes before routing stops trusting the engine's numbers.
+    return max(0.5, settings.engine_poll_s * 5)
 
 
 def _canary_body(settings: Settings) -> dict:

@@ -84,6 +84,11 @@ class FakeChecks:
         await asyncio.sleep(0)
         return self._next(self.probes)
 
+    async def monitor_engine(self, view, period_s, stall_after_s, on_stall) -> None:
+        self.calls.append("monitor")
+        self.on_stall = on_stall  # a test calls it to play a stalled engine
+        await asyncio.Event().wait()  # until the instance cancels it
+
     async def canary(self, model, body, deadline_s) -> ProbeResult:
         self.calls.append("canary")
         if self.canary_gate is not None:

@@ -203,3 +203,17 @@ async def test_stop_during_backoff(tmp_path):
     rig.inst.request_stop()
     await asyncio.wait_for(task, 5)
     assert rig.inst.state == State.STOPPED
+
+
+async def test_engine_monitor_runs_while_serving_and_a_stall_restarts(tmp_path):
+    rig = Rig(tmp_path, FakeChecks(canaries=[bad("POST generate: timeout after 10s"), OK]))
+    async with rig:
+        await asyncio.sleep(0)
+        assert rig.inst._engine_monitor is not None and not rig.inst._engine_monitor.done()
+        first = rig.inst._engine_monitor
+        rig.checks.on_stall("engine stalled: iteration_counter stuck at 5 with 2 active requests for 10.0s")
+        assert rig.inst.state == State.UNHEALTHY
+        await rig.relaunched(2)
+        assert first.cancelled() and "iteration_counter stuck" in rig.inst.last_failure
+        assert rig.inst._engine_monitor is not first and rig.checks.calls.count("monitor") == 2
+    assert rig.inst._engine_monitor is None

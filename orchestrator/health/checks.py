@@ -13,13 +13,21 @@ from typing import Any
 import aiohttp
 
 from .canary import run_canary
+from .engine_monitor import EngineMonitor
+from .engine_state import EngineView
 from .probes import ProbeResult, probe_instance, wait_until_ready
 
 
 class InstanceChecks:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, metrics_url: str = ""):
         self._session = session
         self._base_url = base_url
+        self._metrics_url = metrics_url
+
+    async def monitor_engine(self, view: EngineView, period_s: float, stall_after_s: float,
+                             on_stall: Callable[[str], None]) -> None:
+        """Scrape the engine's metrics into `view` until cancelled (see engine_monitor.py)."""
+        await EngineMonitor(self._session, self._metrics_url, view, period_s, stall_after_s, on_stall).run()
 
     async def wait_ready(self, model: str, deadline_s: float, is_alive: Callable[[], bool]) -> ProbeResult:
         return await wait_until_ready(self._session, self._base_url, model, deadline_s, poll_s=0.1,

@@ -1,83 +1,51 @@
-"""Stall detection from Triton's TRT-LLM metrics: the executor's heartbeat.
+"""Stall detection from the engine's own heartbeat: TRT-LLM's iteration counter.
 
-A hung executor keeps /v2/health/ready at 200, but its iteration_counter stops
-rising. Active requests with a frozen counter, several scrapes in a row, is a
-stall; a frozen counter with nothing active is just an idle instance. Pure
-logic: the caller fetches the metrics text and feeds it in.
+A hung executor (a rank stopped inside a collective, a wedged kernel) keeps
+/v2/health/ready at 200, but `nv_trt_llm_general_metrics{general_type=
+"iteration_counter"}` stops rising. Active requests with a frozen counter for
+`stall_after_s` is a stall; a frozen counter with nothing active is an idle
+instance. Pure logic on snapshots (health/engine_state.py); the instance's
+engine monitor feeds it every scrape and acts on a stall (suspect -> canary ->
+restart).
 """
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
-GENERAL = "nv_trt_llm_general_metrics"
-REQUESTS = "nv_trt_llm_request_metrics"
-
-# One series per model/version (several TRT-LLM models may be served): labels
-# other than the metric's own type label identify it.
-SeriesKey = tuple[tuple[str, str], ...]
-
-
-def _key(labels: dict[str, str], type_label: str) -> SeriesKey:
-    return tuple(sorted((k, v) for k, v in labels.items() if k != type_label))
-
-
-def parse(text: str) -> dict[SeriesKey, tuple[float | None, float | None]]:
-    """series -> (iteration_counter, active requests); raises ValueError on malformed text."""
-    counters: dict[SeriesKey, float] = {}
-    active: dict[SeriesKey, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == GENERAL and sample.labels.get("general_type") == "iteration_counter":
-                counters[_key(sample.labels, "general_type")] = sample.value
-            elif sample.name == REQUESTS and sample.labels.get("request_type") == "active":
-                active[_key(sample.labels, "request_type")] = sample.value
-    return {k: (counters.get(k), active.get(k)) for k in counters.keys() | active.keys()}
+from .engine_state import EngineSnapshot
 
 
 class StallDetector:
-    def __init__(self, observations: int = 3) -> None:
-        if observations < 1:
-            raise ValueError(f"observations={observations!r}: must be at least 1")
-        self.observations = observations
-        self._last: dict[SeriesKey, float] = {}
-        self._streak: dict[SeriesKey, int] = {}
+    def __init__(self, stall_after_s: float) -> None:
+        if stall_after_s <= 0:
+            raise ValueError(f"stall_after_s={stall_after_s!r}: must be positive")
+        self.stall_after_s = stall_after_s
+        self._counter: float | None = None
+        self._frozen_since: float | None = None  # first scrape that saw the counter frozen with work
         self.reason = ""  # why the last observe() said stalled, for logs and `status`
 
-    def observe(self, text: str) -> bool:
-        """Feed one scrape; True when a series has had work but no new iteration for N scrapes."""
-        try:
-            series = parse(text)
-        except ValueError:
-            # Unreadable metrics say nothing about the executor; the probes and the
-            # canary judge the instance. Keep the streaks as they were.
+    def observe(self, snap: EngineSnapshot) -> bool:
+        """Feed one scrape; True while the counter has been frozen with active work for stall_after_s."""
+        if snap.iteration is None:  # no engine metrics (yet): say nothing
             self.reason = ""
             return False
-        for key in list(self._last):
-            if key not in series:  # model unloaded: forget it
-                self._last.pop(key)
-                self._streak.pop(key, None)
-        stalled: list[str] = []
-        for key, (counter, active) in series.items():
-            if counter is None:
-                continue
-            previous = self._last.get(key)
-            self._last[key] = counter
-            frozen = previous is not None and counter == previous
-            # counter < previous means the server restarted: progress, not a stall.
-            if frozen and active is not None and active > 0:
-                self._streak[key] = self._streak.get(key, 0) + 1
-            else:
-                self._streak[key] = 0
-            if self._streak[key] >= self.observations:
-                name = ",".join(f"{k}={v}" for k, v in key) or "executor"
-                stalled.append(f"{name}: iteration_counter stuck at {counter:g} with {active:g} active "
-                               f"requests for {self._streak[key]} scrapes")
-        self.reason = "; ".join(stalled)
-        return bool(stalled)
+        previous, self._counter = self._counter, snap.iteration
+        # A counter that went down means the server restarted: progress, not a stall.
+        frozen = previous is not None and snap.iteration == previous
+        if not frozen or snap.active <= 0:
+            self._frozen_since = None
+            self.reason = ""
+            return False
+        if self._frozen_since is None:
+            self._frozen_since = snap.at
+        stuck_for = snap.at - self._frozen_since
+        if stuck_for < self.stall_after_s:
+            return False
+        self.reason = (f"engine stalled: iteration_counter stuck at {snap.iteration:g} with "
+                       f"{snap.active} active requests for {stuck_for:.1f}s")
+        return True
 
     def reset(self) -> None:
         """The instance restarted: old counters mean nothing."""
-        self._last.clear()
-        self._streak.clear()
+        self._counter = None
+        self._frozen_since = None
         self.reason = ""

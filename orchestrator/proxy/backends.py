@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..health.engine_state import EngineView
     from ..health.outlier import PassiveHealth
 
 
@@ -26,6 +27,8 @@ class Backend:
     # The instance's passive health; not part of the identity (a Backend equals
     # another with the same addresses), and None for backends nobody supervises.
     health: "PassiveHealth | None" = field(default=None, compare=False, repr=False)
+    # What the instance's engine last reported (its metrics, scraped by the instance).
+    engine: "EngineView | None" = field(default=None, compare=False, repr=False)
 
     def report_failure(self, reason: str) -> None:
         """A connect failure, reset or 5xx seen by a proxy."""
@@ -39,6 +42,10 @@ class Backend:
     @property
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
     def grpc_target(self) -> str:

@@ -1,0 +1,189 @@
+"""kv-aware and prefix-affinity routing on recorded engine snapshots; the prefix index;
+the prompt readers for HTTP JSON and gRPC protobuf."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from orchestrator.health.engine_state import EngineSnapshot, EngineView
+from orchestrator.proxy.backends import Backend
+from orchestrator.proxy.llm_policies import KvAware, PrefixAffinity, RouteHints, loads
+from orchestrator.proxy.prefix_index import PrefixIndex, chunk_keys
+from orchestrator.proxy.prompt import prompt_of_grpc, prompt_of_json
+
+pytestmark = pytest.mark.unit
+
+NOW = 100.0
+
+
+def backend(iid: str, snap: EngineSnapshot | None = None) -> Backend:
+    view = EngineView(stale_after_s=1.0)
+    if snap is not None:
+        view.update(snap)
+    return Backend(iid, "127.0.0.1", 1, 2, 3, engine=view)
+
+
+def snap(active=0, waiting=0, max_active=8, kv_used=0, kv_max=100, at=NOW, iteration=1.0):
+    return EngineSnapshot(at=at, active=active, waiting=waiting, max_active=max_active, kv_used=kv_used,
+                          kv_max=kv_max, iteration=iteration)
+
+
+def test_loads_add_foreign_work_and_kv_pressure():
+    a = backend("0", snap(active=6, waiting=2, kv_used=50))
+    b = backend("1", snap(active=1))
+    load = loads([a, b], {"0": 2, "1": 1}, NOW)
+    # a: ours 2 + foreign (6+2-2) + 0.5 * 8 * 0.5 ; b: ours 1, nothing foreign
+    assert load == {"0": 2 + 6 + 2.0, "1": 1.0}
+
+
+def test_one_stale_snapshot_means_inflight_counts_for_everyone():
+    a = backend("0", snap(active=8, at=NOW - 5))  # stale
+    b = backend("1", snap(active=8))
+    assert loads([a, b], {"0": 3, "1": 1}, NOW) == {"0": 3.0, "1": 1.0}
+
+
+def test_kv_aware_avoids_the_instance_whose_engine_is_full():
+    full = backend("0", snap(active=8, waiting=4, kv_used=95))
+    idle = backend("1", snap(active=1, kv_used=10))
+    policy = KvAware(random.Random(1), clock=lambda: NOW)
+    picks = {policy.choose([full, idle], (), {}).instance_id for _ in range(20)}
+    assert picks == {"1"}
+
+
+def test_kv_aware_uses_kv_fraction_to_break_equal_slots():
+    a = backend("0", snap(active=2, kv_used=90))
+    b = backend("1", snap(active=2, kv_used=10))
+    assert KvAware(random.Random(1), clock=lambda: NOW).choose([a, b], (), {}).instance_id == "1"
+
+
+def test_kv_aware_skips_and_returns_none_when_nothing_left():
+    a, b = backend("0", snap()), backend("1", snap())
+    policy = KvAware(random.Random(1), clock=lambda: NOW)
+    assert policy.choose([a, b], {"0"}, {}).instance_id == "1"
+    assert policy.choose([a, b], {"0", "1"}, {}) is None
+
+
+SYSTEM = "You are a helpful assistant for tenant {0}. " * 40  # ~1.6k chars: several chunks
+
+
+def hints(tenant: int, question: str) -> RouteHints:
+    return RouteHints.from_prompt(SYSTEM.format(tenant) + question)
+
+
+def test_prefix_affinity_follows_the_instance_that_served_the_prefix():
+    a, b = backend("0", snap()), backend("1", snap())
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    first = policy.choose([a, b], (), {}, hints(7, "q1")).instance_id
+    assert policy.last_reason == "prefix-miss"
+    for i in range(10):
+        assert policy.choose([a, b], (), {}, hints(7, f"question {i}")).instance_id == first
+        assert policy.last_reason == "prefix"
+
+
+def test_prefix_affinity_spreads_tenants_by_load():
+    a, b = backend("0"), backend("1")  # no engine data: in-flight counts
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    inflight: dict[str, int] = {}
+    owner = {}
+    for tenant in range(8):
+        chosen = policy.choose([a, b], (), inflight, hints(tenant, "q")).instance_id
+        inflight[chosen] = inflight.get(chosen, 0) + 1  # they stay in flight
+        owner[tenant] = chosen
+    assert sorted(owner.values()).count("0") == 4  # least loaded each time: an even split
+
+
+def test_starvation_guard_leaves_an_overloaded_holder():
+    a, b = backend("0"), backend("1")
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW, slack=4)
+    holder = policy.choose([a, b], (), {}, hints(1, "q")).instance_id
+    other = "1" if holder == "0" else "0"
+    inflight = {holder: 4, other: 0}
+    assert policy.choose([a, b], (), inflight, hints(1, "q2")).instance_id == holder  # within slack
+    inflight = {holder: 5, other: 0}
+    assert policy.choose([a, b], (), inflight, hints(1, "q3")).instance_id == other
+    assert policy.last_reason == "prefix-overloaded"
+    # Both hold the prefix now: the less loaded holder wins.
+    assert policy.choose([a, b], (), {holder: 3, other: 1}, hints(1, "q4")).instance_id == other
+
+
+def test_one_hot_prefix_still_uses_every_instance_under_load():
+    backends = [backend(str(i)) for i in range(4)]
+    policy = PrefixAffinity(random.Random(5), clock=lambda: NOW, slack=2)
+    inflight: dict[str, int] = {}
+    for i in range(40):  # one tenant, nothing finishes: load builds up
+        chosen = policy.choose(backends, (), inflight, hints(0, f"q{i}")).instance_id
+        inflight[chosen] = inflight.get(chosen, 0) + 1
+    mean = 40 / 4
+    assert min(inflight.get(b.instance_id, 0) for b in backends) >= mean / 2, inflight
+
+
+def test_forgetting_an_instance_drops_its_prefixes():
+    a, b = backend("0"), backend("1")
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    holder = policy.choose([a, b], (), {}, hints(2, "q")).instance_id
+    policy.forget(holder)
+    policy.choose([a, b], (), {}, hints(2, "q"))
+    assert policy.last_reason == "prefix-miss"
+
+
+def test_no_prompt_routes_by_load():
+    a, b = backend("0"), backend("1")
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    assert policy.choose([a, b], (), {"0": 1}, None).instance_id == "1"
+    assert policy.last_reason == "no-prompt"
+
+
+def test_index_is_bounded_and_ages_out():
+    t = [0.0]
+    index = PrefixIndex(max_chunks=10, ttl_s=5, clock=lambda: t[0])
+    keys = chunk_keys("x" * 256 * 8)
+    index.record(keys, "0")
+    assert index.match(keys) == (8, {"0": 8})
+    index.record(chunk_keys("y" * 256 * 8), "1")
+    assert len(index) == 10  # oldest keys of the first prompt evicted
+    assert index.match(keys)[1] == {}  # its first chunk went: the chain is broken
+    t[0] = 10.0
+    assert index.match(chunk_keys("y" * 256 * 8))[1] == {}  # aged out
+
+
+def test_chunk_keys_are_a_chain():
+    k1 = chunk_keys("a" * 256 + "b" * 256)
+    k2 = chunk_keys("c" * 256 + "b" * 256)
+    assert len(k1) == 2 and k1[1] != k2[1]  # the same second chunk after another first one
+    assert chunk_keys("short") == []
+
+
+def test_prompt_of_json_generate_and_infer():
+    assert prompt_of_json(json.dumps({"text_input": "hi", "max_tokens": 3}).encode()) == "hi"
+    infer = {"inputs": [{"name": "max_tokens", "data": [3]}, {"name": "text_input", "data": [["hello"]]}]}
+    assert prompt_of_json(json.dumps(infer).encode()) == "hello"
+    assert prompt_of_json(b"not json") is None and prompt_of_json(b"[1]") is None
+    assert prompt_of_json(b"") is None
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def test_prompt_of_grpc_raw_and_inline_contents():
+    text = "the prompt".encode()
+    tensor = lambda name: _field(1, name.encode()) + _field(2, b"BYTES")  # noqa: E731
+    raw = (_field(1, b"ensemble") + _field(3, tensor("max_tokens")) + _field(3, tensor("text_input"))
+           + _field(7, (3).to_bytes(4, "little")) + _field(7, len(text).to_bytes(4, "little") + text))
+    assert prompt_of_grpc(raw) == "the prompt"
+    inline = _field(1, b"ensemble") + _field(3, tensor("text_input") + _field(5, _field(8, text)))
+    assert prompt_of_grpc(inline) == "the prompt"
+    assert prompt_of_grpc(b"\xff\xff\xff") is None and prompt_of_grpc(_field(1, b"m")) is None
