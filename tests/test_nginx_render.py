@@ -76,11 +76,14 @@ def test_upstream_and_proxy_settings() -> None:
     up = directives(block(text, "upstream trtllm_http"))
     assert up[0] == "least_conn;"
     assert any(ln.startswith("zone trtllm_http ") for ln in up)
-    assert "server 127.0.0.1:8000 max_fails=1 fail_timeout=10s;" in up
-    assert "server 127.0.0.1:8003 max_fails=1 fail_timeout=10s;" in up
+    assert "server 127.0.0.1:8000 max_fails=1 fail_timeout=2s;" in up
+    assert "server 127.0.0.1:8003 max_fails=1 fail_timeout=2s;" in up
     assert any(re.fullmatch(r"keepalive \d+;", ln) for ln in up)
+    # Idle pooled connections close soon: a draining Triton waits for every open one.
+    assert "keepalive_timeout 1s;" in up
     grpc_up = directives(block(text, "upstream trtllm_grpc"))
-    assert "server 127.0.0.1:8001 max_fails=1 fail_timeout=10s;" in grpc_up
+    assert "server 127.0.0.1:8001 max_fails=1 fail_timeout=2s;" in grpc_up
+    assert "keepalive_timeout 1s;" in grpc_up
 
     server = block(text, "server {")
     lines = directives(server)
@@ -160,7 +163,7 @@ def test_allow_admin_proxies_admin_paths() -> None:
 
 @pytest.mark.unit
 def test_no_backend_renders_503_and_no_upstream() -> None:
-    text = render_nginx_config(settings(), (), Path("/p"))
+    text = render_nginx_config(settings(), (), None)
     assert not any(ln.startswith("upstream ") for ln in directives(text))
     assert not any(ln.startswith(("proxy_pass", "grpc_pass")) for ln in directives(text))
     ready = directives(block(text, "location = /v2/health/ready"))
@@ -172,9 +175,24 @@ def test_no_backend_renders_503_and_no_upstream() -> None:
 
 @pytest.mark.unit
 def test_health_ready_answered_by_nginx() -> None:
-    text = render_nginx_config(settings(), TWO, Path("/p"))
+    # A system nginx (snippet): static, every listed instance counts.
+    text = render_nginx_config(settings(), TWO, None)
     ready = directives(block(text, "location = /v2/health/ready"))
     assert ready == ["return 200 '{\"ready\":true,\"backends\":2}';"]
+
+
+@pytest.mark.unit
+def test_ready_set_comes_from_a_file_not_from_the_config() -> None:
+    """Item 10: the managed config never changes with the ready set (no reload, nothing lost)."""
+    text = render_nginx_config(settings(), TWO, Path("/p"))
+    ready = directives(block(text, "location = /v2/health/ready"))
+    assert ready == ["root /p/health;", "try_files /ready.json @trtllm_no_backend;"]
+    no_backend = directives(block(text, "location @trtllm_no_backend"))
+    assert "add_header Retry-After 5 always;" in no_backend and any(ln.startswith("return 503 ") for ln in no_backend)
+    # Nobody answered: 503 + Retry-After while none is READY, else 502.
+    bad_gateway = block(text, "location @trtllm_bad_gateway")
+    assert "if (!-f /p/health/ready.json) {" in bad_gateway
+    assert directives(bad_gateway)[-1].startswith("return 502 ")
 
 
 @pytest.mark.unit

@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from .backends import ReadyBackends
+from .backends import Backend, ReadyBackends
 
 
-def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path) -> list[Any]:
-    """The proxies for `--proxy`; each has start(), stop(grace_s), inflight(), pids()."""
+def planned_backends(plan: Any) -> tuple[Backend, ...]:
+    """Every instance of the plan as a Backend (addresses only), ready or not."""
+    return tuple(Backend(i.instance_id, i.bind_address, i.ports.http, i.ports.grpc, i.ports.metrics)
+                 for i in plan.instances)
+
+
+def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *,
+                 planned: tuple[Backend, ...] = (), on_change: Callable[[], None] | None = None) -> list[Any]:
+    """The proxies for `--proxy`; each has start(), stop(grace_s), inflight(), pids().
+
+    planned: every instance of the plan (nginx lists them all, ready or not).
+    on_change: called when a proxy's own state changes (nginx restarted its master), so
+    the daemon can rewrite state.json and tell systemd; proxies may also have status().
+    """
     logger = logging.getLogger("trtllm-orch.proxy")
     if settings.proxy == "none":
         return []
     if settings.proxy == "nginx":
         from .nginx import NginxProxy
-        return [NginxProxy(settings, backends, state_dir, logger)]
+        return [NginxProxy(settings, backends, state_dir, logger, planned=planned, on_change=on_change)]
     from .embedded import EmbeddedProxy
     proxies: list[Any] = [EmbeddedProxy(settings, backends, logger)]
     if settings.grpc_listen:

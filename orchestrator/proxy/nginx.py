@@ -1,46 +1,60 @@
-"""`--proxy nginx`: a private nginx master in front of the READY instances.
+"""`--proxy nginx`: a private nginx master in front of the instances.
 
-The daemon owns one nginx master (its own prefix under the state directory, its own
-process group, foreground so it stays our child). Every change of the ready set
-re-renders configs/nginx.conf.j2, validates it with `nginx -t`, swaps it in
-atomically and sends SIGHUP: nginx starts new workers on the new config and lets the
-old ones finish their open requests, so a reload never cuts a stream.
+The daemon owns one NginxProxy; it owns the nginx master (nginx_master.py: its own
+prefix under the state directory, its own process group, foreground so it stays our
+child, watched and restarted if it dies) and a /metrics listener.
+
+The config lists every planned instance and changes only when the daemon's config
+does (`apply_settings`): then it is re-rendered from configs/nginx.conf.j2, validated
+with `nginx -t`, swapped in atomically and applied with SIGHUP. Instances coming and
+going never reload nginx: a reload makes the old workers close their idle keep-alive
+client connections, and a request a client had just written on one was lost (the
+failover bench counted 17 over 3 kills). Instead an instance that is down refuses
+connections and nginx retries the request on another (configs/nginx.conf.j2 says how
+dead, draining and hung instances are handled), and the ready set reaches nginx as a
+small file (health/ready.json) that answers /v2/health/ready.
 
 Lifecycle (one owner: the daemon):
-    proxy = NginxProxy(settings, ready_backends, state_dir, logger)
+    proxy = NginxProxy(settings, ready_backends, state_dir, logger, planned=..., on_change=...)
     await proxy.start()            # raises OrchError / EnvironmentProblem, one line
-    ... await proxy.wait_exited()  # returns nginx's exit status if it ever dies on its own
+    proxy.status()                 # {"kind": "nginx", "state": "running", "pid": ..., "restarts": ...}
     await proxy.stop()             # SIGQUIT, SIGKILL the group after the grace
-
-`wait_exited()` also returns after `stop()`; the daemon tells the two apart by who
-called stop. After an unexpected exit the daemon should still call `stop()` (it kills
-any orphaned workers of the group and unsubscribes) before starting a new proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import pwd
-import signal
 import socket
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..config import Settings, parse_host_port
 from ..errors import EnvironmentProblem, OrchError
 from ..templates import render
 from .backends import Backend, ReadyBackends
+from .metrics import MetricsServer, NginxMetrics, ProxyMetrics
+from .nginx_master import RUNNING, NginxMaster, open_listener
 from .surface import admin_regexes
 
 TEMPLATE = "nginx.conf.j2"
 CONF_NAME = "nginx.conf"
 RETRY_AFTER_S = 5
-FAIL_TIMEOUT_S = 10  # passive check: an instance that failed a connect is skipped this long
+# Passive check: an instance that failed (refused, reset, 503) is skipped this long, then
+# one request tries it again. Short, because every planned instance stays listed: an
+# instance back from a restart waits at most this long for traffic, and a dead one costs
+# one refused loopback connect (retried at once) per period.
+FAIL_TIMEOUT_S = 2
 UPSTREAM_KEEPALIVE = 32  # idle upstream connections kept per worker
-LISTEN_WAIT_S = 10.0  # nginx retries a busy bind 5 times, 0.5 s apart, before it gives up
-RELOAD_WAIT_S = 10.0
+# Idle pooled upstream connections close after this: a SIGTERMed Triton waits for every
+# open HTTP connection before it exits (measured: the whole 30 s exit timeout with
+# nginx's default 60 s), which would stretch every rolling restart to --stop-grace-s.
+UPSTREAM_KEEPALIVE_TIMEOUT_S = 1
+READY_NAME = "ready.json"
 
 _log = logging.getLogger(__name__)
 
@@ -56,7 +70,7 @@ def _ms(seconds: float) -> int:
 def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefix_dir: Path | None,
                         *, listen_port: int | None = None, grpc_port: int | None = None,
                         worker_user: str | None = None) -> str:
-    """The nginx config for this ready set.
+    """The nginx config listing `backends` (the daemon passes every planned instance).
 
     prefix_dir set: a complete nginx.conf for our own master (pid, error_log and temp
     paths inside prefix_dir). prefix_dir None: an http-context snippet (upstreams, geo,
@@ -70,6 +84,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         ghost, gport = parse_host_port(settings.grpc_listen, "--grpc-listen")
         grpc_listen = _addr(ghost, grpc_port if grpc_port is not None else gport)
     full = prefix_dir is not None
+    ready_dir = prefix_dir / "health" if full else None
     return render(
         TEMPLATE,
         full=full,
@@ -92,6 +107,11 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         max_attempts=settings.max_attempts,
         fail_timeout_s=FAIL_TIMEOUT_S,
         upstream_keepalive=UPSTREAM_KEEPALIVE,
+        upstream_keepalive_timeout_s=UPSTREAM_KEEPALIVE_TIMEOUT_S,
+        # Full config only: the daemon's ready set, as a file NginxProxy rewrites.
+        ready_dir=str(ready_dir) if ready_dir else "",
+        ready_name=READY_NAME,
+        ready_file=str(ready_dir / READY_NAME) if ready_dir else "",
         retry_after_s=RETRY_AFTER_S,
         # Per read in nginx (the embedded proxy's body deadline is for the whole body).
         client_header_timeout_ms=_ms(settings.client_header_timeout_s),
@@ -100,78 +120,44 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
     )
 
 
-def _check_bindable(host: str, port: int, flag: str) -> None:
-    """Fail fast, naming the address, when something already listens there.
+def _write_ready_file(path: Path, ready: int) -> None:
+    """The ready set as nginx reads it: the file exists while an instance is READY.
 
-    nginx would also fail, but only after 2.5 s of retries, and meanwhile a connect
-    probe would reach the other listener and take it for nginx.
+    Replaced atomically (a reader sees the old file or the new one); no fsync: it lives
+    as long as this run and is rewritten on every change. Runs in a worker thread.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nginx does: TIME_WAIT is fine
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise OrchError(f"{flag}={_addr(host, port)}: nginx cannot bind it: {exc.strerror}") from None
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> set[int]:
-    out: set[int] = set()
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as fh:
-                out.update(int(p) for p in fh.read().split())
-    except OSError:
-        pass
-    return out
-
-
-def _live_group_members(pgid: int) -> list[int]:
-    """Non-zombie processes in process group pgid (zombies hold no sockets)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                out.append(int(entry))
-    return out
-
-
-def _shutting_down(pid: int) -> bool:
-    # nginx retitles a worker "nginx: worker process is shutting down" when it starts
-    # its graceful exit; a worker that is gone has finished it.
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmdline = fh.read()
-    except OSError:
-        return True
-    return not cmdline or b"shutting down" in cmdline
+    if ready == 0:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(json.dumps({"ready": True, "backends": ready}, separators=(",", ":")))
+    os.replace(tmp, path)
 
 
 class NginxProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
-                 logger: logging.Logger | None = None) -> None:
+                 logger: logging.Logger | None = None, *, planned: tuple[Backend, ...],
+                 on_change: Callable[[], None] | None = None) -> None:
+        if not planned:
+            raise ValueError("NginxProxy needs the planned instances (its upstreams list them all)")
         self._settings = settings
         self._backends = backends
+        self._planned = planned
+        self._on_change = on_change  # the daemon's: state.json and systemd learn of a new master
         self._dir = Path(state_dir) / "nginx"
         self._conf = self._dir / CONF_NAME
+        self._ready_file = self._dir / "health" / READY_NAME
         self._log = logger or _log
-        self._proc: asyncio.subprocess.Process | None = None
-        self._pgid: int | None = None
-        self._unsubscribe = None
+        self._master: NginxMaster | None = None
+        self.metrics = ProxyMetrics()
+        self._nginx_metrics = NginxMetrics(self.metrics.registry)
+        self._restarts_counted = 0
+        self._metrics_server: MetricsServer | None = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._reload_task: asyncio.Task[None] | None = None
         self._reload_wanted = False
+        self._ready_task: asyncio.Task[None] | None = None
+        self._ready_written: int | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         host, port = parse_host_port(settings.listen, "--listen")
@@ -179,7 +165,7 @@ class NginxProxy:
         self._grpc_listen = parse_host_port(settings.grpc_listen, "--grpc-listen") if settings.grpc_listen else None
         self._port = port
         self._grpc_port = self._grpc_listen[1] if self._grpc_listen else None
-        self.reloads = 0  # applied reloads, for status and tests
+        self.reloads = 0  # applied reloads (config changes), for status and tests
         self.last_error = ""
 
     # --- public ------------------------------------------------------------------
@@ -192,93 +178,127 @@ class NginxProxy:
         return self._grpc_port
 
     @property
+    def metrics_port(self) -> int:
+        """Actual port of the metrics listener (0 when off)."""
+        return self._metrics_server.port if self._metrics_server is not None else 0
+
+    @property
     def config_path(self) -> Path:
         return self._conf
 
     def pids(self) -> list[int]:
-        return [self._proc.pid] if self._proc is not None and self._proc.returncode is None else []
+        pid = self._master.pid if self._master is not None else None
+        return [pid] if pid is not None else []
 
     def inflight(self) -> dict[str, int]:
         return {}  # nginx does not tell us per instance
+
+    def status(self) -> dict[str, Any]:
+        """For the daemon's `status`: is the endpoint really there?"""
+        master = self._master.status() if self._master is not None else {"state": "stopped", "pid": None}
+        return {"kind": "nginx", **master, "listen": _addr(self._listen[0], self._port),
+                "grpc_listen": _addr(self._grpc_listen[0], self._grpc_port) if self._grpc_listen else "",
+                "metrics_port": self.metrics_port, "config": str(self._conf), "reloads": self.reloads,
+                "last_error": self.last_error}
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         binary = self._binary()
         self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self._dir / "temp").mkdir(exist_ok=True, mode=0o700)
-        host, port = self._listen
-        if port == 0:
-            self._port = _free_port(host)
-        _check_bindable(host, self._port, "--listen")
-        if self._grpc_listen is not None:
-            ghost, gport = self._grpc_listen
-            if gport == 0:
-                self._grpc_port = _free_port(ghost)
-            _check_bindable(ghost, self._grpc_port, "--grpc-listen")
-
-        text = self._render(self._backends.current())
-        error = await self._write_checked(text)
-        if error:
-            raise OrchError(f"--proxy=nginx: rendered config fails `nginx -t`: {error}")
-
-        stderr = open(self._dir / "nginx.stderr.log", "ab")
+        self._ready_file.parent.mkdir(exist_ok=True, mode=0o700)
+        listeners = self._open_listeners()
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                binary, "-p", str(self._dir), "-c", str(self._conf), "-e", str(self._dir / "error.log"),
-                "-g", "daemon off;",
-                stdin=asyncio.subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                start_new_session=True,  # its own group: stop() can kill master and workers together
-            )
-        finally:
-            stderr.close()
-        self._pgid = self._proc.pid
-        try:
-            await self._wait_listening()
+            error = await self._write_checked(self._render())
+            if error:
+                raise OrchError(f"--proxy=nginx: rendered config fails `nginx -t`: {error}")
+            await self._publish_ready()
         except BaseException:
-            await self._kill_group()
+            for s in listeners:
+                s.close()
             raise
-        # Subscribe only now: a change that raced with startup is caught by one reload.
-        self._unsubscribe = self._backends.subscribe(self._on_change)
-        if self._render(self._backends.current()) != self._conf.read_text():
-            self._on_change(self._backends.current())
-        self._log.info("nginx %d listening on %s (config %s)", self._proc.pid,
-                       _addr(host, self._port), self._conf)
+        self._master = NginxMaster(
+            [binary, "-p", str(self._dir), "-c", str(self._conf), "-e", str(self._dir / "error.log"),
+             "-g", "daemon off;"], self._dir, listeners, logger=self._log,
+            on_change=self._master_changed, orphan_grace_s=self._settings.stop_grace_s)
+        try:
+            await self._master.start()
+            if self._settings.metrics_listen:
+                self._metrics_server = MetricsServer(self.metrics, self._settings.metrics_listen)
+                await self._metrics_server.start()
+        except BaseException:
+            await self._master.stop(0)  # also closes the listening sockets
+            raise
+        # Subscribe only now; a change that raced with startup is caught by one more write.
+        self._unsubscribe = self._backends.subscribe(self._on_ready_set)
+        self._on_ready_set(self._backends.current())
+        self._log.info("nginx %d listening on %s (config %s; metrics %s)", self._master.pid,
+                       _addr(self._listen[0], self._port), self._conf,
+                       f"port {self.metrics_port}" if self._metrics_server else "off")
 
-    async def wait_exited(self) -> int:
-        """nginx master's exit status (negative: killed by that signal)."""
-        assert self._proc is not None, "start() first"
-        return await self._proc.wait()
+    def apply_settings(self, settings: Settings) -> None:
+        """A reload of the daemon's config: nginx reloads only if the rendered config changed.
+
+        The daemon refuses changed listen addresses before this (they need down/up).
+        """
+        self._settings = settings
+        self._request_reload()
+
+    async def wait_synced(self) -> None:
+        """Until the ready file and any requested reload are applied (or failed). For tests."""
+        for attr in ("_ready_task", "_reload_task"):
+            while getattr(self, attr) is not None and not getattr(self, attr).done():
+                await asyncio.shield(getattr(self, attr))
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self._reload_task is not None:
-            self._reload_task.cancel()
-            await asyncio.gather(self._reload_task, return_exceptions=True)
-            self._reload_task = None
-        if self._proc is None:
-            return
-        if self._proc.returncode is None:
-            # SIGQUIT: graceful. Workers stop accepting and finish what they have.
-            self._signal(signal.SIGQUIT)
-            try:
-                await asyncio.wait_for(self._proc.wait(), grace_s)
-            except asyncio.TimeoutError:
-                self._log.warning("nginx %d still running %.1f s after SIGQUIT: killing its group",
-                                  self._proc.pid, grace_s)
-        await self._kill_group()
+        for attr in ("_reload_task", "_ready_task"):
+            task = getattr(self, attr)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                setattr(self, attr, None)
+        if self._master is not None:
+            await self._master.stop(grace_s)
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
 
-    # --- reloads -----------------------------------------------------------------
-    def _on_change(self, backends: tuple[Backend, ...]) -> None:
-        # Called synchronously by ReadyBackends.publish. Reloads run one at a time; a
-        # change during a reload only marks one more, which then renders the latest set.
+    # --- the ready set: a file, never a reload ---------------------------------------
+    def _on_ready_set(self, backends: tuple[Backend, ...]) -> None:
+        # Called synchronously by ReadyBackends.publish. One writer task at a time; it
+        # re-reads the set after each write, so a change during a write is not lost.
+        self.metrics.set_ready(b.instance_id for b in backends)
+        if self._stopping or self._loop is None:
+            return
+        if self._ready_task is None or self._ready_task.done():
+            self._ready_task = self._loop.create_task(self._publish_ready(), name="nginx-ready-file")
+
+    async def _publish_ready(self) -> None:
+        while True:
+            count = len(self._backends.current())
+            if count == self._ready_written:
+                return
+            try:
+                await asyncio.to_thread(_write_ready_file, self._ready_file, count)
+            except OSError as exc:
+                self._ready_written = None  # the next change tries again
+                self.last_error = f"cannot write {self._ready_file}: {exc}"
+                self._log.error("nginx: %s", self.last_error)
+                return
+            self._ready_written = count
+
+    # --- config reloads (config changes only) ------------------------------------------
+    def _request_reload(self) -> None:
+        # Reloads run one at a time; a request during a reload only marks one more,
+        # which then renders the latest settings.
         self._reload_wanted = True
         if self._stopping or self._loop is None:
             return
         if self._reload_task is None or self._reload_task.done():
-            self._reload_task = self._loop.create_task(self._reload_loop())
+            self._reload_task = self._loop.create_task(self._reload_loop(), name="nginx-reload")
 
     async def _reload_loop(self) -> None:
         while self._reload_wanted and not self._stopping:
@@ -291,16 +311,8 @@ class NginxProxy:
                 self.last_error = f"nginx reload failed: {exc}"
                 self._log.error("%s", self.last_error)
 
-    async def wait_reloaded(self) -> None:
-        """Until every requested reload has been applied (or failed). For tests and `reload`."""
-        while self._reload_task is not None and not self._reload_task.done():
-            await asyncio.shield(self._reload_task)
-
     async def _reload_once(self) -> None:
-        if self._proc is None or self._proc.returncode is not None:
-            return
-        backends = self._backends.current()
-        text = self._render(backends)
+        text = self._render()
         if self._conf.exists() and text == self._conf.read_text():
             return
         error = await self._write_checked(text)
@@ -308,29 +320,40 @@ class NginxProxy:
             self.last_error = f"new nginx config rejected, keeping the old one: {error}"
             self._log.error("%s", self.last_error)
             return
-        before = _children(self._proc.pid)
-        self._signal(signal.SIGHUP)
-        await self._wait_new_workers(before)
+        assert self._master is not None
+        await self._master.reload()
         self.reloads += 1
-        self._log.info("nginx reloaded: %d ready instance(s): %s", len(backends),
-                       ", ".join(b.instance_id for b in backends) or "none")
+        self._log.info("nginx reloaded: config changed")
 
-    async def _wait_new_workers(self, before: set[int]) -> None:
-        # A second SIGHUP while the master is still re-reading the config is safe but
-        # pointless; waiting for the new workers keeps reloads strictly one at a time.
-        assert self._proc is not None
-        # Done when new workers run and every old one has at least begun its graceful
-        # exit (it then stops accepting and closes idle keep-alive connections, so new
-        # requests land on the new config; its in-flight requests still finish).
-        deadline = time.monotonic() + RELOAD_WAIT_S
-        while time.monotonic() < deadline and self._proc.returncode is None:
-            now = _children(self._proc.pid)
-            if now - before and all(_shutting_down(pid) for pid in now & before):
-                return
-            await asyncio.sleep(0.02)
-        self._log.warning("nginx %d: reload not finished %.0f s after SIGHUP", self._proc.pid, RELOAD_WAIT_S)
+    # --- the master ------------------------------------------------------------------------
+    def _master_changed(self) -> None:
+        master = self._master
+        assert master is not None
+        self._nginx_metrics.up.set(1 if master.state == RUNNING else 0)
+        if master.restarts > self._restarts_counted:
+            self._nginx_metrics.restarts.inc(master.restarts - self._restarts_counted)
+            self._restarts_counted = master.restarts
+        if self._on_change is not None:
+            self._on_change()
 
     # --- helpers -----------------------------------------------------------------
+    def _open_listeners(self) -> list[socket.socket]:
+        """Bind --listen (and --grpc-listen) for nginx to inherit; learns the ports of ':0'.
+
+        Fails fast, naming the flag, when one is taken (nginx itself would retry for 2.5 s).
+        """
+        http = open_listener(*self._listen, "--listen")
+        self._port = http.getsockname()[1]
+        if self._grpc_listen is None:
+            return [http]
+        try:
+            grpc = open_listener(*self._grpc_listen, "--grpc-listen")
+        except BaseException:
+            http.close()
+            raise
+        self._grpc_port = grpc.getsockname()[1]
+        return [http, grpc]
+
     def _binary(self) -> str:
         value = self._settings.nginx
         if os.sep in value:
@@ -346,9 +369,9 @@ class NginxProxy:
         raise EnvironmentProblem(f"--nginx={value!r}: no executable nginx there "
                                  "(install nginx, e.g. apt-get install nginx-light, or pass --nginx PATH)")
 
-    def _render(self, backends: tuple[Backend, ...]) -> str:
+    def _render(self) -> str:
         worker_user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else None
-        return render_nginx_config(self._settings, backends, self._dir, listen_port=self._port,
+        return render_nginx_config(self._settings, self._planned, self._dir, listen_port=self._port,
                                    grpc_port=self._grpc_port, worker_user=worker_user)
 
     async def _write_checked(self, text: str) -> str:
@@ -365,69 +388,3 @@ class NginxProxy:
             return (lines[0] if lines else out.decode(errors="replace").strip()).split("] ", 1)[-1]
         os.replace(candidate, self._conf)
         return ""
-
-    async def _wait_listening(self) -> None:
-        assert self._proc is not None
-        targets = [(self._listen[0], self._port, "--listen")]
-        if self._grpc_listen is not None:
-            targets.append((self._grpc_listen[0], self._grpc_port, "--grpc-listen"))
-        deadline = time.monotonic() + LISTEN_WAIT_S
-        for host, port, flag in targets:
-            probe = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-            while True:
-                if self._proc.returncode is not None:
-                    raise OrchError(f"{flag}={_addr(host, port)}: nginx exited with status "
-                                    f"{self._proc.returncode} before listening: {self._last_error_line()}")
-                try:
-                    _, writer = await asyncio.wait_for(asyncio.open_connection(probe, port), 1.0)
-                    writer.close()
-                    break
-                except (OSError, asyncio.TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise OrchError(f"{flag}={_addr(host, port)}: nginx not listening after "
-                                    f"{LISTEN_WAIT_S:.0f} s: {self._last_error_line()}")
-                await asyncio.sleep(0.05)
-        # The master binds before it forks workers; a connect succeeds (backlog) before
-        # anyone can answer. Started means a worker runs.
-        while not _children(self._proc.pid):
-            if self._proc.returncode is not None or time.monotonic() > deadline:
-                raise OrchError(f"--listen={_addr(self._listen[0], self._port)}: nginx started no worker: "
-                                f"{self._last_error_line()}")
-            await asyncio.sleep(0.02)
-
-    def _last_error_line(self) -> str:
-        for name in ("error.log", "nginx.stderr.log"):
-            try:
-                lines = (self._dir / name).read_text(errors="replace").strip().splitlines()
-            except OSError:
-                continue
-            for line in reversed(lines):
-                if "[emerg]" in line or "[alert]" in line or "[crit]" in line:
-                    return line.split("] ", 1)[-1]
-        return f"see {self._dir / 'error.log'}"
-
-    def _signal(self, sig: signal.Signals) -> None:
-        if self._proc is not None and self._proc.returncode is None:
-            try:
-                self._proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-
-    async def _kill_group(self) -> None:
-        # Also after the master died on its own: its workers (and old workers of a
-        # reload) stay in the group and would keep the port.
-        if self._pgid is not None:
-            try:
-                os.killpg(self._pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self._proc is not None and self._proc.returncode is None:
-            await self._proc.wait()
-        if self._pgid is not None:
-            # Orphaned workers are not our children: wait until they are really gone so
-            # the port is free when the daemon starts the next nginx.
-            deadline = time.monotonic() + 2.0
-            while _live_group_members(self._pgid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-        self._pgid = None
