@@ -58,6 +58,7 @@ DEFAULTS = {
     "twin_decode_ms": "20",
     "twin_prefill_ms_per_token": "0.05",
     "twin_tokens_per_block": "64",
+    "twin_engine_max_batch_size": "${twin_engine_max_batch_size}",
     "twin_engine_load_time_s": "0",
 }
 

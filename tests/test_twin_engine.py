@@ -70,14 +70,15 @@ def test_tokens_do_not_depend_on_batch():
 
 def test_queue_limit_rejects_with_trtllm_text():
     e = make(max_batch_size=1, max_queue_size=2)
-    for i in range(2):
+    for i in range(3):
         e.enqueue(seq(i, "x", 2))
-    # Nothing active yet: both are queued, and the limit counts only queued ones.
+    # The first takes the free slot at the next iteration; the limit counts the other two.
     with pytest.raises(QueueFullError) as exc:
         e.enqueue(seq(9, "x", 2))
     assert str(exc.value) == "Maximum queue size of 2 has been reached, please try again later"
     assert str(exc.value) == queue_full_message(2)
-    e.step()                       # one moves to active: room for one more
+    e.step()
+    e.step()                       # request 0 is done: request 1 takes its slot next
     e.enqueue(seq(10, "x", 2))
     with pytest.raises(QueueFullError):
         e.enqueue(seq(11, "x", 2))

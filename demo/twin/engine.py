@@ -143,7 +143,10 @@ class Engine:
                 f"Prompt length ({len(seq.prompt)}) plus output length ({seq.max_new_tokens}) exceeds the "
                 f"paged KV cache ({self.kv.max_blocks} blocks of {c.tokens_per_block} tokens)")
         with self._lock:
-            if c.max_queue_size > 0 and len(self.queue) >= c.max_queue_size:
+            # Requests that the next iteration moves into free slots are not "queued":
+            # the loop only fetches at iteration start, TRT-LLM's fetches continuously.
+            waiting = len(self.queue) - max(0, c.max_batch_size - len(self.active))
+            if c.max_queue_size > 0 and waiting >= c.max_queue_size:
                 raise QueueFullError(queue_full_message(c.max_queue_size))
             seq.arrival_ns = self.clock_ns()
             self.queue.append(seq)

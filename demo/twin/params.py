@@ -41,7 +41,10 @@ class TwinSettings:
         if env.get("DEMO_TOKEN_DELAY_MS"):     # the knob the orchestrator's tests and benches use
             decode_ms = float(env["DEMO_TOKEN_DELAY_MS"])
         self.engine = EngineConfig(
-            max_batch_size=max(1, int(model_config.get("max_batch_size", 64) or 64)),
+            # The engine's own max batch size is a build option in TRT-LLM; unset, the
+            # twin uses Triton's max_batch_size (triton_max_batch_size).
+            max_batch_size=get(p, "twin_engine_max_batch_size",
+                               max(1, int(model_config.get("max_batch_size", 64) or 64)), int),
             max_queue_size=int(policy.get("max_queue_size", 0) or 0),
             max_tokens_in_paged_kv_cache=get(p, "max_tokens_in_paged_kv_cache", 1 << 20, int),
             tokens_per_block=get(p, "twin_tokens_per_block", 64, int),
