@@ -196,13 +196,12 @@ def test_tensorrt_llm_grpc_streaming(server):
     assert tokens == vocab.next_tokens(list(b"grpc prompt"), 5)
 
 
-def test_two_rank_group_stalls_when_rank1_is_stopped(tmp_path):
-    """Leader-mode group under mpirun: SIGSTOP of rank 1 stalls rank 0's
-    generation while /v2/health/ready stays 200; SIGCONT lets it finish."""
+def start_two_rank_group(tmp_path, instance):
+    """mpirun with 2 leader-mode ranks of MODEL_REPO; returns (proc, http base, metrics port, log path)."""
     env = _triton_env()
     group_dir = tmp_path / "group"
     group_dir.mkdir(mode=0o700)
-    env.update(TRTLLM_ORCH_INSTANCE="7", TRTLLM_ORCH_GROUP_DIR=str(group_dir))
+    env.update(TRTLLM_ORCH_INSTANCE=str(instance), TRTLLM_ORCH_GROUP_DIR=str(group_dir))
     http, grpc, metrics = _free_ports(3)
     common = [f"--model-repository={MODEL_REPO}", f"--backend-directory={env['BACKEND_DIR']}",
               "--disable-auto-complete-config"]
@@ -210,15 +209,21 @@ def test_two_rank_group_stalls_when_rank1_is_stopped(tmp_path):
            *[a for v in ("TRTLLM_ORCH_INSTANCE", "TRTLLM_ORCH_GROUP_DIR", "PYTHONPATH", "LD_LIBRARY_PATH")
              for a in ("-x", v)],
            "-n", "1", env["TRITONSERVER"], *common, *_loopback_args(http, grpc, metrics),
-           "--backend-config=python,shm-region-prefix-name=orch_t7_r0_", "--id=rank0", ":",
+           f"--backend-config=python,shm-region-prefix-name=orch_t{instance}_r0_", "--id=rank0", ":",
            "-n", "1", env["TRITONSERVER"], *common, "--model-control-mode=explicit", "--load-model=tensorrt_llm",
            "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
-           "--backend-config=python,shm-region-prefix-name=orch_t7_r1_", "--id=rank1"]
+           f"--backend-config=python,shm-region-prefix-name=orch_t{instance}_r1_", "--id=rank1"]
     log_path = tmp_path / "mpirun.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    base = f"http://127.0.0.1:{http}"
+    return proc, f"http://127.0.0.1:{http}", metrics, log_path
+
+
+def test_two_rank_group_stalls_when_rank1_is_stopped(tmp_path):
+    """Leader-mode group under mpirun: SIGSTOP of rank 1 stalls rank 0's
+    generation while /v2/health/ready stays 200; SIGCONT lets it finish."""
+    proc, base, _metrics, log_path = start_two_rank_group(tmp_path, 7)
     stopped = []
     try:
         _wait_ready(proc, base, log_path)

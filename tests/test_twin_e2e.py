@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from tests.test_demo_model import (MODEL_REPO, _body, _children, _free_ports, _get_status, _loopback_args, _post,
-                                   _rank_pid, _stop, _stream, _triton_env, _wait_ready)
+                                   _rank_pid, _stop, _stream, _triton_env, _wait_ready,
+                                   start_two_rank_group)
 
 pytestmark = pytest.mark.e2e
 
@@ -268,26 +269,7 @@ def test_group_stalls_when_rank1_server_alone_is_stopped_and_dies_with_it(tmp_pa
     """2-rank leader-mode group: SIGSTOP of rank 1's tritonserver (its stub keeps
     running) freezes generation and the iteration counter while ready stays 200;
     SIGCONT resumes; kill -9 of that server ends the whole mpirun job."""
-    env = _triton_env()
-    group_dir = tmp_path / "group"
-    group_dir.mkdir(mode=0o700)
-    env.update(TRTLLM_ORCH_INSTANCE="8", TRTLLM_ORCH_GROUP_DIR=str(group_dir))
-    http, grpc, metrics = _free_ports(3)
-    common = [f"--model-repository={MODEL_REPO}", f"--backend-directory={env['BACKEND_DIR']}",
-              "--disable-auto-complete-config"]
-    cmd = [env["MPIRUN"], "--allow-run-as-root", "--oversubscribe",
-           *[a for v in ("TRTLLM_ORCH_INSTANCE", "TRTLLM_ORCH_GROUP_DIR", "PYTHONPATH", "LD_LIBRARY_PATH")
-             for a in ("-x", v)],
-           "-n", "1", env["TRITONSERVER"], *common, *_loopback_args(http, grpc, metrics),
-           "--backend-config=python,shm-region-prefix-name=orch_t8_r0_", "--id=rank0", ":",
-           "-n", "1", env["TRITONSERVER"], *common, "--model-control-mode=explicit", "--load-model=tensorrt_llm",
-           "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
-           "--backend-config=python,shm-region-prefix-name=orch_t8_r1_", "--id=rank1"]
-    log_path = tmp_path / "mpirun.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{http}"
+    proc, base, metrics, log_path = start_two_rank_group(tmp_path, 8)
     metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     stopped = None
 
