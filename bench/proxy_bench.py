@@ -1,6 +1,6 @@
 """Proxy overhead and balancing (issue 3): direct vs NGINX vs the embedded proxy, in ONE run.
 
-    /work/venv/bin/python -m bench.proxy_bench [--scenario small|mixed|all] [--rounds 3]
+    .venv/bin/python -m bench.proxy_bench [--scenario small|mixed|all] [--rounds 3]
 
 Setup (why it is fair): ONE daemon `trtllm-orch up --proxy embedded` with 2 instances x TP1
 (`--assume-gpus 2`). Every target fronts exactly those two tritonservers:

@@ -1,6 +1,6 @@
 """Rolling restart under load (issue 5): `trtllm-orch reload` while clients keep sending.
 
-    /work/venv/bin/python -m bench.rolling_bench [--concurrency 8]
+    .venv/bin/python -m bench.rolling_bench [--concurrency 8]
 
 One daemon (`--proxy embedded`, 2 instances x TP1, `--assume-gpus 2`,
 DEMO_TOKEN_DELAY_MS=5), steady closed-loop load of small non-streaming `generate`
