@@ -251,6 +251,11 @@ def format_status(status: dict[str, Any]) -> str:
     d = status["daemon"]
     lines = [f"daemon pid {d['pid']}  up {d['uptime_s']:.0f}s  {status['ready']}/{status['total']} ready  "
              f"proxy {d['proxy']} {d['listen']}" + ("  (stopping)" if d.get("stopping") else "")]
+    for proxy in status.get("proxies", []):  # a proxy with a process of its own (nginx)
+        lines.append(f"{proxy.get('kind', 'proxy')} {proxy.get('state')}  pid {proxy.get('pid') or '-'}  "
+                     f"restarts {proxy.get('restarts', 0)}")
+        if proxy.get("last_failure"):
+            lines.append(f"      last failure: {proxy['last_failure']}")
     lines.append(f"{'ID':<4}{'GPUS':<10}{'STATE':<11}{'HTTP':<7}{'GRPC':<7}{'METRICS':<9}{'UPTIME':<9}"
                  f"{'RESTARTS':<10}{'INFLIGHT':<10}PIDS")
     for inst in status["instances"]:
