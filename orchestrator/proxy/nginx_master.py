@@ -173,10 +173,6 @@ class NginxMaster:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
 
-    def workers(self) -> set[int]:
-        pid = self.pid
-        return children(pid) if pid is not None else set()
-
     def status(self) -> dict[str, Any]:
         running_s = round(time.monotonic() - self._running_since, 1) \
             if self._running_since is not None and self.state == RUNNING else None
@@ -269,7 +265,12 @@ class NginxMaster:
                 continue
             if self._stopping:
                 return
-            await self._restart(proc)
+            try:
+                await self._restart(proc)
+            except Exception as exc:  # a bug here must not leave nginx unwatched for good
+                self.last_failure = f"restart failed unexpectedly: {exc!r}"
+                self._log.exception("nginx: %s", self.last_failure)
+                await asyncio.sleep(BACKOFF_CAP_S)
 
     async def _restart(self, dead: asyncio.subprocess.Process) -> None:
         # Called again (with the same dead process) when a restart attempt fails, so every
