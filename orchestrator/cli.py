@@ -105,21 +105,33 @@ class Prepared:
     build_command: Any
     commands: dict[str, Any]
     gpus_from_nvml: bool
+    notes: tuple[str, ...] = ()  # what placement or pinning could not do here, for `plan`
 
 
 def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
     from .gpus import inventory, parse_gpu_spec
+    from .launcher.affinity import plan_affinity
     from .launcher.command import build_launch, find_rank_wrapper, find_tritonserver
     from .launcher.mpi import MpiFlavour, detect_flavour
     from .plan import make_plan
+    from .topology import host_topology, load_topology
 
-    gpus = inventory(settings.assume_gpus)
+    recorded = load_topology(settings.topology) if settings.topology else None
+    gpus = inventory(settings.assume_gpus, recorded)
     ids = parse_gpu_spec(settings.gpus, tuple(g.index for g in gpus))
+    topology, note = recorded, ""
+    if topology is None and settings.assume_gpus is None:
+        topology, note = host_topology()
+    # A recorded topology describes another machine: `plan` shows it as recorded, while
+    # `up` must pin to CPUs this host has and with a wrapper that works here.
+    affinity, pinner, notes = plan_affinity(topology, ids, settings.cpu_affinity,
+                                            host_checks=for_launch or recorded is None)
     reserved = tuple(cfg.parse_host_port(v, cfg.flag(n))[1]
                      for n, v in (("listen", settings.listen), ("grpc_listen", settings.grpc_listen),
                                   ("metrics_listen", settings.metrics_listen))
                      if v and settings.proxy != "none")
-    plan = make_plan(ids, settings.tp, settings.base_port, settings.bind_address, reserved)
+    plan = make_plan(ids, settings.tp, settings.base_port, settings.bind_address, reserved,
+                     topology=topology, placement=settings.placement, affinity=affinity)
     if for_launch:
         if not settings.model_repo:
             raise UsageError("--model-repo", "", "required: the Triton model repository to serve")
@@ -145,10 +157,11 @@ def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
                             llm_models=settings.tensorrt_llm_model, extra_args=settings.tritonserver_arg,
                             state_dir=str(state_dir),
                             group_dir=str(state_dir / "instances" / inst.instance_id),
-                            as_root=os.geteuid() == 0, rank_wrapper=wrapper)
+                            as_root=os.geteuid() == 0, rank_wrapper=wrapper, pinner=pinner)
 
     commands = {inst.instance_id: build_command(inst) for inst in plan.instances}
-    return Prepared(settings, plan, build_command, commands, settings.assume_gpus is None)
+    return Prepared(settings, plan, build_command, commands, settings.assume_gpus is None and recorded is None,
+                    tuple(n for n in [note, *notes] if n))
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -159,18 +172,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for inst in prepared.plan.instances:
             entry = dataclasses.asdict(inst)
             cmd = prepared.commands[inst.instance_id]
-            entry.update(argv=list(cmd.argv), env=cmd.env)
+            # Lists as numactl and /proc write them (launcher.affinity.check_rank_affinity reads these).
+            entry.update(argv=list(cmd.argv), env=cmd.env, warnings=list(inst.warnings()),
+                         affinity=[{"rank": r, "gpu": a.gpu, "cpus": a.cpu_list, "mems": a.mem_list}
+                                   for r, a in enumerate(inst.affinity)])
             out.append(entry)
-        print(json.dumps({"instances": out}, indent=2))
+        print(json.dumps({"placement": prepared.plan.placement, "instances": out,
+                          "notes": list(prepared.notes)}, indent=2))
         return EXIT_OK
     for inst in prepared.plan.instances:
         p = inst.ports
-        print(f"instance {inst.instance_id}: GPUs {inst.cuda_visible_devices} (TP{inst.tp})  "
+        link = f", {inst.link_text}" if inst.link_text else ""
+        print(f"instance {inst.instance_id}: GPUs {inst.cuda_visible_devices} (TP{inst.tp}{link})  "
               f"http {inst.bind_address}:{p.http}  grpc {p.grpc}  metrics {p.metrics}")
+        for rank, aff in enumerate(inst.affinity):
+            where = f"CPUs {aff.cpu_list}" + (f", memory node {aff.mem_list}" if aff.mems else "") \
+                if aff.cpus else "any CPU"
+            print(f"  rank {rank}: GPU {aff.gpu}, {where}")
+        for warning in inst.warnings():
+            print(f"  warning: {warning}")
         print("  " + prepared.commands[inst.instance_id].shell_text())
     s = prepared.settings
     if s.proxy != "none":
         print(f"load balancer ({s.proxy}): http {s.listen}" + (f", grpc {s.grpc_listen}" if s.grpc_listen else ""))
+    if prepared.plan.instances[0].link_text or prepared.plan.placement != "ordered":
+        print(f"placement: {prepared.plan.placement}")
+    for note in prepared.notes:
+        print(f"note: {note}")
     return EXIT_OK
 
 

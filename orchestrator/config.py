@@ -26,6 +26,8 @@ else:  # Python 3.10 (NVIDIA's Triton containers): the same parser from PyPI
 LB_POLICIES = ("least-outstanding", "round-robin", "kv-aware", "prefix-affinity")
 PROXY_MODES = ("embedded", "nginx", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PLACEMENTS = ("topology", "ordered")
+CPU_AFFINITY = ("auto", "off")
 
 
 def opt(default: Any, help: str, *, group: str = "launch", short: str | None = None,
@@ -45,6 +47,14 @@ class Settings:
     model_repo: str = opt("", "Triton model repository served by every instance", metavar="DIR")
     assume_gpus: int | None = opt(None, "declare N GPUs instead of asking NVML "
                                   "(CPU-only hosts and tests; ranks then get no real GPU)", metavar="N")
+    placement: str = opt("topology", "how --tp groups GPUs: topology (NVLink/NVSwitch peers first, then "
+                         "a shared PCIe switch, then the same NUMA node; from NVML) or ordered (in --gpus "
+                         "order; always so with --assume-gpus)")
+    cpu_affinity: str = opt("auto", "auto: run each rank on the CPUs and memory node local to its GPU "
+                            "(NVML; numactl, else taskset, CPUs only); off: ranks float over all CPUs")
+    topology: str = opt("", "GPU topology JSON to use instead of NVML (as `python -m orchestrator.topology` "
+                        "records it): plan for another machine; like --assume-gpus, ranks get no real GPU",
+                        metavar="FILE")
     tensorrt_llm_model: tuple[str, ...] = opt(("tensorrt_llm",), "model(s) ranks != 0 load "
                                               "(repeat or comma list)", repeat=True, metavar="NAME")
     served_model: str = opt("ensemble", "model that health checks and the canary ask for", metavar="NAME")
@@ -157,7 +167,10 @@ class Settings:
         for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
                      "stable_after_s", "ready_min", "log_backups", "engine_poll_s", "stall_after_s"):
             positive(name, allow_zero=True)
-        for name, allowed in (("proxy", PROXY_MODES), ("lb_policy", LB_POLICIES), ("log_level", LOG_LEVELS)):
+        if self.topology and self.assume_gpus is not None:
+            raise UsageError("--topology", self.topology, "use either it or --assume-gpus: both declare the GPUs")
+        for name, allowed in (("proxy", PROXY_MODES), ("lb_policy", LB_POLICIES), ("log_level", LOG_LEVELS),
+                              ("placement", PLACEMENTS), ("cpu_affinity", CPU_AFFINITY)):
             if getattr(self, name) not in allowed:
                 raise UsageError(flag(name), getattr(self, name), "must be one of " + ", ".join(allowed))
         for name in ("listen", "grpc_listen", "metrics_listen"):
@@ -205,8 +218,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 # What a reload (`trtllm-orch reload`, SIGHUP, `systemctl reload`) does with a changed field.
 # Refused, with nothing changed: the GPU plan, the ports and sockets, the process layout.
-NEEDS_DOWN_UP = ("gpus", "tp", "assume_gpus", "base_port", "bind_address", "state_dir", "proxy",
-                 "listen", "grpc_listen", "metrics_listen", "nginx", "detach")
+NEEDS_DOWN_UP = ("gpus", "tp", "assume_gpus", "placement", "cpu_affinity", "topology", "base_port",
+                 "bind_address", "state_dir", "proxy", "listen", "grpc_listen", "metrics_listen", "nginx", "detach")
 # Part of the launch command: each instance takes them when the rolling restart relaunches it.
 APPLIED_AT_RELAUNCH = ("model_repo", "tensorrt_llm_model", "mpirun", "tritonserver", "tritonserver_arg")
 # Every other field (health, backoff, canary, proxy policy knobs, log level) applies at once.

@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass
 
 from .errors import EnvironmentProblem, UsageError
+from .topology import Topology
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,9 @@ class GpuInfo:
 def parse_gpu_spec(spec: str, available: tuple[int, ...]) -> tuple[int, ...]:
     """'all' | '0-3' | '0,2,4,6' | '0-3,6-7' -> GPU indices in the order given.
 
-    Order matters: `--tp` groups GPUs in exactly this order, so '0,2,1,3' pairs
-    0 with 2. Every id must exist on the host; we name the ones that do.
+    With `--placement ordered` (and --assume-gpus) `--tp` groups GPUs in exactly this
+    order, so '0,2,1,3' pairs 0 with 2; by topology the order only breaks ties.
+    Every id must exist on the host; we name the ones that do.
     """
     text = spec.strip()
     if text == "all":
@@ -88,7 +90,10 @@ def nvml_inventory() -> tuple[GpuInfo, ...]:
         pynvml.nvmlShutdown()
 
 
-def inventory(assume_gpus: int | None) -> tuple[GpuInfo, ...]:
+def inventory(assume_gpus: int | None, recorded: Topology | None = None) -> tuple[GpuInfo, ...]:
+    """The GPUs to plan with: declared (--assume-gpus), recorded (--topology FILE) or NVML's."""
+    if recorded is not None:
+        return tuple(GpuInfo(g.index, g.name or "recorded", 0) for g in recorded.gpus)
     if assume_gpus is not None:
         return tuple(GpuInfo(i, "assumed", 0) for i in range(assume_gpus))
     return nvml_inventory()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from .errors import UsageError
+from .topology import RankAffinity, Topology, crosses_sockets, describe_link, group_gpus, group_link, group_sockets
 
 PORTS_PER_INSTANCE = 3  # http, grpc, metrics
 
@@ -25,6 +27,12 @@ class InstancePlan:
     gpus: tuple[int, ...]
     ports: Ports
     bind_address: str
+    # What the topology says about the group ("" / () when it is not known, e.g. --assume-gpus):
+    link: str = ""  # its slowest GPU-to-GPU link, as nvidia-smi topo -m names it (NV18, PIX, SYS)
+    link_text: str = ""  # the same for people: "NV18 via NVSwitch", "SYS: across CPU sockets"
+    sockets: tuple[int, ...] = ()  # CPU sockets its GPUs hang off
+    crosses_sockets: bool = False  # its GPUs hang off more than one socket (warnings() says when it matters)
+    affinity: tuple[RankAffinity, ...] = ()  # per rank; () leaves ranks floating over all CPUs
 
     @property
     def tp(self) -> int:
@@ -34,16 +42,30 @@ class InstancePlan:
     def cuda_visible_devices(self) -> str:
         return ",".join(map(str, self.gpus))
 
+    def warnings(self) -> tuple[str, ...]:
+        # Only when the GPU traffic itself crosses sockets: an NVLink/NVSwitch group spanning
+        # both (TP8 on an HGX board) is the fastest there is, and its ranks are pinned apart.
+        if not self.crosses_sockets or self.link.startswith("NV"):
+            return ()
+        where = f"CPU sockets {','.join(map(str, self.sockets))}" if len(self.sockets) > 1 else "CPU sockets"
+        return (f"GPUs {self.cuda_visible_devices} span {where}: every collective crosses the "
+                f"inter-socket link ({self.link})",)
+
 
 @dataclass(frozen=True)
 class Plan:
     instances: tuple[InstancePlan, ...]
+    placement: str = "ordered"  # how the groups were chosen: "topology" or "ordered"
 
 
 def make_plan(gpus: tuple[int, ...], tp: int, base_port: int, bind_address: str,
-              reserved_ports: tuple[int, ...] = ()) -> Plan:
-    """Split GPUs, in the order given, into groups of `tp`; one instance per group.
+              reserved_ports: tuple[int, ...] = (), topology: Topology | None = None,
+              placement: str = "ordered", affinity: Mapping[int, RankAffinity] | None = None) -> Plan:
+    """Split GPUs into groups of `tp`; one instance per group.
 
+    With a `topology` and placement "topology", groups follow the interconnect
+    (topology.group_gpus); otherwise GPUs are taken in the order given. `affinity` maps a
+    GPU to where its rank should run (GPUs without an entry leave their rank floating).
     Instance i gets ports base+3i (http), base+3i+1 (grpc), base+3i+2 (metrics);
     ports the load balancer listens on are skipped so nothing overlaps.
     """
@@ -54,6 +76,12 @@ def make_plan(gpus: tuple[int, ...], tp: int, base_port: int, bind_address: str,
     if len(gpus) % tp:
         raise UsageError("--tp", tp, f"does not divide the {len(gpus)} GPU(s) selected "
                          f"({','.join(map(str, gpus))}) into whole groups")
+    if topology is not None and placement == "topology":
+        groups = group_gpus(topology, gpus, tp)
+    else:
+        placement = "ordered"
+        groups = tuple(tuple(gpus[i:i + tp]) for i in range(0, len(gpus), tp))
+    affinity = affinity or {}
     instances = []
     port = base_port
     for index in range(len(gpus) // tp):
@@ -65,6 +93,12 @@ def make_plan(gpus: tuple[int, ...], tp: int, base_port: int, bind_address: str,
             if port not in reserved_ports:
                 picked.append(port)
             port += 1
-        instances.append(InstancePlan(str(index), tuple(gpus[index * tp:(index + 1) * tp]),
-                                      Ports(*picked), bind_address))
-    return Plan(tuple(instances))
+        group = groups[index]
+        facts: dict = {}
+        if topology is not None:
+            facts = dict(link=group_link(topology, group), link_text=describe_link(topology, group),
+                         sockets=group_sockets(topology, group), crosses_sockets=crosses_sockets(topology, group))
+        # A rank whose GPU has no entry gets an empty one (it floats); ranks keep their index.
+        pinned = tuple(affinity.get(g, RankAffinity(g, ())) for g in group) if set(group) & set(affinity) else ()
+        instances.append(InstancePlan(str(index), group, Ports(*picked), bind_address, **facts, affinity=pinned))
+    return Plan(tuple(instances), placement)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import EnvironmentProblem, UsageError
 from ..plan import InstancePlan
+from .affinity import Pinner
 from .mpi import MpiFlavour
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
@@ -87,11 +88,14 @@ def rank_args(inst: InstancePlan, rank: int, model_repo: str, llm_models: tuple[
 
 def build_launch(inst: InstancePlan, *, mpi: MpiFlavour, tritonserver: str, model_repo: str,
                  llm_models: tuple[str, ...], extra_args: tuple[str, ...], state_dir: str,
-                 group_dir: str, as_root: bool, rank_wrapper: tuple[str, ...] = ()) -> LaunchCommand:
+                 group_dir: str, as_root: bool, rank_wrapper: tuple[str, ...] = (),
+                 pinner: Pinner | None = None) -> LaunchCommand:
     """The full argv and added environment for one instance.
 
     `rank_wrapper` (e.g. `setpriv --pdeathsig KILL --`) runs in front of each rank
-    so a rank dies with its launcher instead of living on as an orphan.
+    so a rank dies with its launcher instead of living on as an orphan. `pinner` then
+    binds each rank to its GPU's CPUs and memory node (the plan's `affinity`); it
+    comes second so the death signal is set before anything else runs.
     """
     env = {
         "CUDA_VISIBLE_DEVICES": inst.cuda_visible_devices,
@@ -106,7 +110,8 @@ def build_launch(inst: InstancePlan, *, mpi: MpiFlavour, tritonserver: str, mode
     for rank in range(inst.tp):
         if rank:
             argv.append(":")
-        argv += ["-n", "1", *rank_wrapper, tritonserver,
+        pin = pinner.argv(inst.affinity[rank]) if pinner and inst.affinity else ()
+        argv += ["-n", "1", *rank_wrapper, *pin, tritonserver,
                  *rank_args(inst, rank, model_repo, llm_models, extra_args, shm_scope(state_dir))]
     return LaunchCommand(tuple(argv), env)
 
