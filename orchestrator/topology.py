@@ -381,7 +381,12 @@ def _sysfs_socket(sys_root: Path, cpus: tuple[int, ...]) -> int | None:
 
 def main() -> int:
     """Record this host's topology as JSON, for `--topology FILE` and the tests' fixtures."""
-    json.dump(read_topology().to_dict(), sys.stdout, indent=1)
+    try:
+        topology = read_topology()
+    except Exception as exc:  # one line, as every other error of ours, not a traceback
+        print(f"orchestrator.topology: NVML unusable ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    json.dump(topology.to_dict(), sys.stdout, indent=1)
     print()
     return 0
 

@@ -141,7 +141,8 @@ PLAN_JSON = {"instances": [
 def test_check_reads_what_the_kernel_enforces(tmp_path):
     ts = "/opt/tritonserver/bin/tritonserver"
     proc = fake_proc(tmp_path, {
-        100: (["mpirun", "-n", "1"], "0-31", "0-1"),  # not a rank: skipped
+        100: (["/usr/bin/mpirun", "-n", "1", ts, "--id=instance0-rank0", ":", "-n", "1", ts, "--id=instance0-rank1"],
+              "0-31", "0-1"),  # names the ranks, but is not one: skipped
         101: ([ts, "--id=instance0-rank0", "--http-port=8000"], "0-7", "0"),
         102: ([ts, "--id=instance0-rank1"], "8-15", "0-1"),  # memory not bound: any node passes
         103: ([ts, "--id=instance1-rank0"], "0-31", "0-1"),  # planned floating: this process's CPUs
@@ -160,8 +161,11 @@ def test_check_catches_a_rank_that_was_not_pinned(tmp_path):
 
 
 def test_rank_of_reads_the_id_flag(tmp_path):
-    proc = fake_proc(tmp_path, {5: (["ts", "--id=instance12-rank3"], "0", "0"), 6: (["ts", "--id=x"], "0", "0")})
+    wrapper = ["/usr/bin/numactl", "--physcpubind=0", "--", "ts", "--id=instance1-rank0"]
+    proc = fake_proc(tmp_path, {5: (["ts", "--id=instance12-rank3"], "0", "0"), 6: (["ts", "--id=x"], "0", "0"),
+                                7: (wrapper, "0", "0")})
     assert rank_of(5, proc) == ("12", 3) and rank_of(6, proc) is None and rank_of(404, proc) is None
+    assert rank_of(7, proc) is None  # a wrapper that has not exec'ed tritonserver yet
 
 
 def test_process_allowed_matches_the_kernel_for_this_process():

@@ -144,11 +144,18 @@ class RankCheck:
             (not self.expected_mems or self.expected_mems == self.actual_mems)
 
 
+# Their command lines carry the ranks' `--id=` too (mpirun: every rank's; a wrapper: its
+# rank's until it execs), but they are not ranks and are not pinned.
+NOT_RANKS = frozenset({"mpirun", "mpiexec", "orterun", "prterun", "setpriv", "numactl", "taskset"})
+
+
 def rank_of(pid: int, proc_root: str = "/proc") -> tuple[str, int] | None:
     """(instance id, rank) from a tritonserver rank's `--id=instanceI-rankR`, else None."""
     try:
         argv = (Path(proc_root) / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
+        return None
+    if Path(argv[0].decode(errors="replace")).name in NOT_RANKS:
         return None
     for arg in argv:
         text = arg.decode(errors="replace")
