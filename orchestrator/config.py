@@ -105,6 +105,13 @@ class Settings:
     max_client_connections: int = opt(4096, "open client connections per listener of the embedded "
                                       "proxy; beyond it a new connection gets 503 and is closed",
                                       group="proxy", metavar="N")
+    hold_s: float = opt(10.0, "when no instance is ready (a restart), hold requests this long for one "
+                        "to become ready, then 503 (0: 503 at once)", group="proxy", metavar="S")
+    max_held: int = opt(1024, "requests held at once while no instance is ready; beyond, 503",
+                        group="proxy", metavar="N")
+    first_byte_timeout_s: float = opt(0.0, "no response head from an instance within this: cancel and "
+                                      "retry on another (only before any byte reached the client; 0: off)",
+                                      group="proxy", metavar="S")
     allow_admin: bool = opt(False, "let Triton's admin API (load/unload, shared memory, trace, "
                             "logging, config, stats) through the proxy", group="proxy")
     nginx: str = opt("nginx", "nginx binary for --proxy nginx", group="proxy", metavar="PATH")
@@ -165,7 +172,8 @@ class Settings:
                      "client_body_timeout_s", "max_client_connections"):
             positive(name)
         for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
-                     "stable_after_s", "ready_min", "log_backups", "engine_poll_s", "stall_after_s"):
+                     "stable_after_s", "ready_min", "log_backups", "engine_poll_s", "stall_after_s",
+                     "hold_s", "max_held", "first_byte_timeout_s"):
             positive(name, allow_zero=True)
         if self.topology and self.assume_gpus is not None:
             raise UsageError("--topology", self.topology, "use either it or --assume-gpus: both declare the GPUs")

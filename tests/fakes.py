@@ -9,10 +9,12 @@ without a process or a socket. The real ones are tested end to end elsewhere.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 from orchestrator.health.probes import ProbeResult
 from orchestrator.launcher.group import LaunchFailed
+from orchestrator.proxy.backends import ReadyBackends
 
 OK = ProbeResult(True, "", 0.0)
 
@@ -95,3 +97,29 @@ class FakeChecks:
             await self.canary_gate.wait()
         await asyncio.sleep(0)
         return self._next(self.canaries)
+
+
+class RecordingBackends(ReadyBackends):
+    """A ReadyBackends whose published Backends carry a recording stand-in for each
+    instance's PassiveHealth: proxy tests read what the proxy reported, and to whom."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[tuple[str, str]] = []
+        self.successes: list[str] = []
+
+    def publish(self, backends) -> None:
+        super().publish(tuple(b if b.health is not None else
+                              dataclasses.replace(b, health=_RecordedHealth(self, b.instance_id))
+                              for b in backends))
+
+
+class _RecordedHealth:
+    def __init__(self, owner: RecordingBackends, instance_id: str) -> None:
+        self._owner, self._iid = owner, instance_id
+
+    def failure(self, reason: str) -> None:
+        self._owner.failures.append((self._iid, reason))
+
+    def success(self) -> None:
+        self._owner.successes.append(self._iid)

@@ -27,6 +27,7 @@ import pytest
 from orchestrator.config import Settings
 from orchestrator.errors import OrchError
 from orchestrator.proxy.backends import Backend, ReadyBackends
+from tests.fakes import RecordingBackends
 from orchestrator.proxy.grpc_proxy import GrpcProxy
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
@@ -295,10 +296,11 @@ def settings(**changes) -> Settings:
 
 
 class Sinks:
-    def __init__(self, ready: ReadyBackends) -> None:
-        self.failures: list[tuple[str, str]] = []
-        self.successes: list[str] = []
-        ready.set_health_sinks(lambda i, why: self.failures.append((i, why)), self.successes.append)
+    """What the proxy reported to each instance's passive health (see RecordingBackends)."""
+
+    def __init__(self, ready: RecordingBackends) -> None:
+        self.failures = ready.failures
+        self.successes = ready.successes
 
 
 @pytest.fixture
@@ -306,7 +308,7 @@ async def proxy_factory():
     made: list[GrpcProxy] = []
 
     async def make(backends: tuple[Backend, ...], **changes) -> tuple[GrpcProxy, ReadyBackends]:
-        ready = ReadyBackends()
+        ready = RecordingBackends()
         ready.publish(backends)
         proxy = GrpcProxy(settings(**changes), ready)
         await proxy.start()

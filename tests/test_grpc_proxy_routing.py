@@ -12,8 +12,9 @@ import grpc.aio
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend, ReadyBackends
+from orchestrator.proxy.backends import Backend
 from orchestrator.proxy.grpc_proxy import GrpcProxy
+from tests.fakes import RecordingBackends
 
 pytestmark = pytest.mark.unit
 
@@ -40,9 +41,7 @@ async def test_refused_instance_cools_down_for_the_next_calls():
     await server.start()
     live = Backend("0", "127.0.0.1", 1, port, 1)
     dead = Backend("1", "127.0.0.1", 1, free_port(), 1)
-    ready = ReadyBackends()
-    failures: list[str] = []
-    ready.set_health_sinks(lambda iid, why: failures.append(iid), lambda iid: None)
+    ready = RecordingBackends()
     proxy = GrpcProxy(Settings(grpc_listen="127.0.0.1:0"), ready)  # least-outstanding
     await proxy.start()
     try:
@@ -53,13 +52,13 @@ async def test_refused_instance_cools_down_for_the_next_calls():
                 await call(b"x", timeout=5)
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.UNAVAILABLE
-            assert failures == ["1"]
+            assert [iid for iid, _ in ready.failures] == ["1"]
             ready.publish((live, dead))
             # Both idle, so least-outstanding alone would pick the dead one about half the
             # time; cooling down (1 s, far longer than these calls) it is not tried at all.
             for i in range(10):
                 assert await call(b"%d" % i, timeout=5) == b"ok:%d" % i
-            assert failures == ["1"]
+            assert [iid for iid, _ in ready.failures] == ["1"]
             assert proxy.inflight() == {"0": 0, "1": 0}
     finally:
         await proxy.stop(0.5)

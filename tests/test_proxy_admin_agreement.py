@@ -128,7 +128,7 @@ def test_table_parts_are_consistent():
 
 # --- gRPC: the embedded gRPC proxy's answers -----------------------------------------
 async def grpc_codes(allow_admin: bool, names) -> dict[str, grpc.StatusCode]:
-    proxy = GrpcProxy(Settings(grpc_listen="127.0.0.1:0", allow_admin=allow_admin), ReadyBackends())
+    proxy = GrpcProxy(Settings(grpc_listen="127.0.0.1:0", allow_admin=allow_admin, hold_s=0), ReadyBackends())
     await proxy.start()
     codes: dict[str, grpc.StatusCode] = {}
     try:

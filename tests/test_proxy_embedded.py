@@ -19,6 +19,7 @@ from aiohttp import web
 from orchestrator.config import Settings
 from orchestrator.errors import OrchError
 from orchestrator.proxy.backends import Backend, ReadyBackends
+from tests.fakes import RecordingBackends
 from orchestrator.proxy.embedded import EmbeddedProxy
 
 pytestmark = pytest.mark.unit
@@ -108,10 +109,9 @@ def free_port() -> int:
 
 class Harness:
     def __init__(self) -> None:
-        self.backends = ReadyBackends()
-        self.failures: list[tuple[str, str]] = []
-        self.successes: list[str] = []
-        self.backends.set_health_sinks(lambda i, r: self.failures.append((i, r)), self.successes.append)
+        self.backends = RecordingBackends()
+        self.failures = self.backends.failures
+        self.successes = self.backends.successes
         self.proxy: EmbeddedProxy | None = None
         self.session: aiohttp.ClientSession | None = None
         self.cleanups: list = []

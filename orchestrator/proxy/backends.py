@@ -53,16 +53,12 @@ class Backend:
 
 
 Listener = Callable[[tuple[Backend, ...]], None]
-FailureSink = Callable[[str, str], None]  # (instance_id, reason)
 
 
 class ReadyBackends:
     def __init__(self) -> None:
         self._ready: tuple[Backend, ...] = ()
         self._listeners: list[Listener] = []
-        self._failure_sink: FailureSink | None = None
-        self._success_sink: Callable[[str], None] | None = None
-        self._known: dict[str, Backend] = {}  # every backend ever published (it may have left)
 
     # --- daemon side -------------------------------------------------------------
     def publish(self, backends: tuple[Backend, ...]) -> None:
@@ -71,13 +67,8 @@ class ReadyBackends:
         if backends == self._ready:
             return
         self._ready = backends
-        self._known.update((b.instance_id, b) for b in backends)
         for listener in list(self._listeners):
             listener(backends)
-
-    def set_health_sinks(self, on_failure: FailureSink, on_success: Callable[[str], None]) -> None:
-        self._failure_sink = on_failure
-        self._success_sink = on_success
 
     # --- proxy side --------------------------------------------------------------
     def current(self) -> tuple[Backend, ...]:
@@ -86,16 +77,3 @@ class ReadyBackends:
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener)
-
-    def report_failure(self, instance_id: str, reason: str) -> None:
-        """A connect failure, reset or 5xx seen by a proxy (passive health)."""
-        if self._failure_sink is not None:
-            self._failure_sink(instance_id, reason)
-        if instance_id in self._known:
-            self._known[instance_id].report_failure(reason)
-
-    def report_success(self, instance_id: str) -> None:
-        if self._success_sink is not None:
-            self._success_sink(instance_id)
-        if instance_id in self._known:
-            self._known[instance_id].report_success()

@@ -12,9 +12,10 @@ shares, and a `Policy` only chooses:
   would love it). A cooling instance is still used when nothing else is left:
   the cool-down deprioritises, it never ejects; ejecting is the daemon's call.
 
-A new policy (prefix affinity, KV-cache aware) is a class with `choose` added to
-POLICIES, and its name to config.LB_POLICIES (the flag's choices); what it needs to know about the
-request would travel as a new keyword of `pick`, passed on to `choose`.
+A policy is a class with `choose` in POLICIES, and its name in config.LB_POLICIES (the
+flag's choices). What it knows about the request travels as `hints` (llm_policies.RouteHints),
+built by the proxy only for a policy that says `wants_prompt`. The engine-aware policies
+(`kv-aware`, `prefix-affinity`) live in llm_policies.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from .backends import Backend
+from .llm_policies import KvAware, PrefixAffinity, RouteHints
 
 LEAST_OUTSTANDING = "least-outstanding"
 ROUND_ROBIN = "round-robin"
@@ -33,7 +35,7 @@ DEFAULT_COOLDOWN_S = 1.0
 
 class Policy(Protocol):
     def choose(self, backends: Sequence[Backend], skip: Collection[str],
-               inflight: Mapping[str, int]) -> Backend | None:
+               inflight: Mapping[str, int], hints: RouteHints | None = None) -> Backend | None:
         """One of `backends` whose instance_id is not in `skip`, or None if there is none.
 
         `backends` is the whole ready set in a stable order (by instance id), so a
@@ -50,7 +52,7 @@ class LeastOutstanding:
         self._rng = rng
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str],
-               inflight: Mapping[str, int]) -> Backend | None:
+               inflight: Mapping[str, int], hints: RouteHints | None = None) -> Backend | None:
         best: list[Backend] = []
         best_n = -1
         for b in backends:
@@ -77,7 +79,7 @@ class RoundRobin:
         self._next = 0
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str],
-               inflight: Mapping[str, int]) -> Backend | None:
+               inflight: Mapping[str, int], hints: RouteHints | None = None) -> Backend | None:
         n = len(backends)
         start = self._next
         for i in range(n):
@@ -91,26 +93,45 @@ class RoundRobin:
 POLICIES: dict[str, Callable[[random.Random], Policy]] = {
     LEAST_OUTSTANDING: LeastOutstanding,
     ROUND_ROBIN: RoundRobin,
+    "kv-aware": KvAware,
+    "prefix-affinity": PrefixAffinity,
 }
 
 
 class Balancer:
-    __slots__ = ("policy", "inflight", "_choose", "_clock", "_cooldown_s", "_cooling")
+    __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  cooldown_s: float = DEFAULT_COOLDOWN_S) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"lb_policy={policy!r}: must be one of {', '.join(POLICIES)}")
-        self.policy = policy
         self.inflight: dict[str, int] = {}
-        self._choose = POLICIES[policy](rng or random.Random()).choose
+        self._rng = rng or random.Random()
         self._clock = clock
         self._cooldown_s = cooldown_s
         self._cooling: dict[str, float] = {}  # instance_id -> monotonic time the cool-down ends
+        self.set_policy(policy)
+
+    def set_policy(self, policy: str) -> None:
+        """Choose by `policy` from now on (a reload); in-flight counts and cool-downs stay."""
+        if policy not in POLICIES:
+            raise ValueError(f"lb_policy={policy!r}: must be one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self._policy = POLICIES[policy](self._rng)
+        self._choose = self._policy.choose
+
+    @property
+    def wants_prompt(self) -> bool:
+        """Whether `pick` can use the request's prompt (worth parsing the body for)."""
+        return isinstance(self._policy, PrefixAffinity)
+
+    @property
+    def last_reason(self) -> str:
+        """Why the last pick went where it did (for the routing-decision metrics)."""
+        return getattr(self._policy, "last_reason", "") or self.policy
 
     # --- choice ----------------------------------------------------------------
-    def pick(self, backends: Sequence[Backend], exclude: Collection[str] = ()) -> Backend | None:
+    def pick(self, backends: Sequence[Backend], exclude: Collection[str] = (),
+             hints: RouteHints | None = None) -> Backend | None:
         """The instance for the next attempt, or None when every candidate is excluded."""
         if not backends:
             return None
@@ -121,12 +142,18 @@ class Balancer:
                 if until <= now:
                     del cooling[iid]
         if not cooling:
-            return self._choose(backends, exclude, self.inflight)
+            return self._choose(backends, exclude, self.inflight, hints)
         # Cooling instances only when nothing else is left.
-        chosen = self._choose(backends, cooling.keys() | set(exclude), self.inflight)
+        chosen = self._choose(backends, cooling.keys() | set(exclude), self.inflight, hints)
         if chosen is None:
-            chosen = self._choose(backends, exclude, self.inflight)
+            chosen = self._choose(backends, exclude, self.inflight, hints)
         return chosen
+
+    def forget(self, instance_id: str) -> None:
+        """The instance left the ready set (it restarts): what a policy learnt of it is void."""
+        forget = getattr(self._policy, "forget", None)
+        if forget is not None:
+            forget(instance_id)
 
     # --- bookkeeping -------------------------------------------------------------
     def acquire(self, instance_id: str) -> None:

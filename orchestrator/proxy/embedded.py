@@ -7,10 +7,18 @@ Request path, in order:
   forward -> relay the response.
 
 Retries happen only before any response byte reached the client: a refused or
-timed-out connect, or a connection dropped before response headers, moves the
-request to another ready instance (max_attempts in all). Once headers arrived we
-commit: a failure mid-body truncates the client's response (the connection is
-closed without the final chunk), which is the only honest signal left.
+timed-out connect, a connection dropped before response headers, a 503, a
+queue-full rejection (TRT-LLM's "Maximum queue size ... reached", an HTTP 500),
+an error from an instance that left rotation, or no first byte within
+--first-byte-timeout-s moves the request to another ready instance (max_attempts
+in all). Once headers arrived we commit: a failure mid-body truncates the
+client's response (the connection is closed without the final chunk), which is
+the only honest signal left. When no instance is ready the request is held
+(hold.py) until one is, up to --hold-s.
+
+What counts against an instance (its passive health, reached through its
+Backend): transport errors, timeouts and 5xx answers. A 4xx is the request's
+fault, a 503 or a full queue is the instance saying "busy": neither ejects it.
 
 Lifecycle (one owner, fixed order): start() creates the client session, then
 binds the public listener, then the metrics listener; stop() stops accepting,
@@ -36,8 +44,11 @@ from .backends import Backend, ReadyBackends
 from .balancer import Balancer
 from .client_guard import BodyTimeout, ClientLimits, GuardedServer
 from .headers import TrustedPeers, client_response_headers, upstream_request_headers
+from .hold import HoldGate
+from .llm_policies import RouteHints
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import NO_INSTANCE, ProxyMetrics
+from .prompt import prompt_of_json
 from .surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, PUBLIC, READY, Surface
 
 # Responses with a Content-Length up to this size are read whole and sent in one
@@ -85,11 +96,24 @@ class _QuietProtocolErrors(logging.Filter):
 
 
 class _Retryable(Exception):
-    """An attempt failed before any response byte reached the client."""
+    """An attempt failed before any response byte reached the client.
 
-    def __init__(self, reason: str) -> None:
+    `blame`: whether it counts against the instance's passive health (a transport
+    failure does; a 503, a full queue or an instance already out of rotation does not).
+    """
+
+    def __init__(self, reason: str, blame: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.blame = blame
+
+
+# TRT-LLM's executor rejects beyond max_queue_size with this text inside an INTERNAL
+# error (HTTP 500, gRPC INTERNAL); see ../shared/notes/trtllm-facts.md.
+QUEUE_FULL_TEXT = b"Maximum queue size of"
+# Error bodies up to this size are read to tell a full queue from a real failure.
+ERROR_PEEK_MAX = 64 * 1024
+SAME_INSTANCE_RETRY_DELAY_S = 0.1
 
 
 class EmbeddedProxy:
@@ -105,13 +129,10 @@ class EmbeddedProxy:
         self._http_log.addFilter(_QuietProtocolErrors())
         self._balancer = Balancer(settings.lb_policy)
         self._surface = Surface()
-        self._trusted = TrustedPeers(settings.trusted_proxy)
         self.metrics = ProxyMetrics()
-        self._max_body = settings.max_body_bytes
-        self._max_attempts = settings.max_attempts
-        self._limits = ClientLimits(settings.client_header_timeout_s, settings.client_body_timeout_s,
-                                    settings.max_client_connections)
-        self._allow_admin = settings.allow_admin
+        self._hold = HoldGate(backends, settings.hold_s, settings.max_held)
+        self._servers: list[GuardedServer] = []
+        self.apply_settings(settings)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
         self._metrics_runner: web.ServerRunner | None = None
@@ -120,6 +141,26 @@ class EmbeddedProxy:
         self._stopping = False
         self._bound_port = 0
         self._metrics_port = 0
+        self._ready_ids: set[str] = set()
+
+    def apply_settings(self, settings: Settings) -> None:
+        """The knobs a reload changes in place (the listen addresses need `down`/`up`)."""
+        self._settings = settings
+        if settings.lb_policy != self._balancer.policy:
+            self._balancer.set_policy(settings.lb_policy)
+        self._trusted = TrustedPeers(settings.trusted_proxy)
+        self._max_body = settings.max_body_bytes
+        self._max_attempts = settings.max_attempts
+        self._allow_admin = settings.allow_admin
+        self._first_byte_s = settings.first_byte_timeout_s or None
+        self._hold.hold_s, self._hold.max_held = settings.hold_s, settings.max_held
+        # Per request, not per session: a reload changes them for the next request.
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=settings.connect_timeout_s,
+                                              sock_read=settings.idle_timeout_s)
+        self._limits = ClientLimits(settings.client_header_timeout_s, settings.client_body_timeout_s,
+                                    settings.max_client_connections)
+        for server in self._servers:
+            server.limits = self._limits
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -130,8 +171,7 @@ class EmbeddedProxy:
             connector=connector,
             # Idle timeouts only: sock_read bounds the wait for headers and the
             # silence between chunks; no total, so long generations are not cut.
-            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=s.connect_timeout_s,
-                                          sock_read=s.idle_timeout_s),
+            timeout=self._timeout,
             auto_decompress=False,  # relay bytes as the instance encoded them
             cookie_jar=aiohttp.DummyCookieJar(),  # never mix one client's cookies into another's
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -139,6 +179,7 @@ class EmbeddedProxy:
         )
         self._unsubscribe = self._backends.subscribe(self._on_backends)
         self._on_backends(self._backends.current())
+        self._hold.start()
         try:
             self._runner = await self._listen(self._handle, s.listen, "--listen")
             self._bound_port = self._runner.addresses[0][1]
@@ -157,6 +198,7 @@ class EmbeddedProxy:
         server = GuardedServer(handler, limits=self._limits, log=self._log, handler_cancellation=True,
                                access_log=None, auto_decompress=False,
                                keepalive_timeout=CLIENT_KEEPALIVE_S, logger=self._http_log)
+        self._servers.append(server)
         runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CANCEL_GRACE_S)
         await runner.setup()
         try:
@@ -168,6 +210,7 @@ class EmbeddedProxy:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
+        self._hold.close()  # held requests get their 503 now
         # 1. stop accepting; idle keep-alive connections close now, busy ones after
         #    their current response.
         for runner in (self._runner, self._metrics_runner):
@@ -218,7 +261,11 @@ class EmbeddedProxy:
         return self._metrics_port
 
     def _on_backends(self, backends: tuple[Backend, ...]) -> None:
-        self.metrics.set_ready(b.instance_id for b in backends)
+        ready = {b.instance_id for b in backends}
+        for iid in self._ready_ids - ready:
+            self._balancer.forget(iid)  # it restarts: its cache (prefix affinity) is gone
+        self._ready_ids = ready
+        self.metrics.set_ready(ready)
 
     # --- metrics listener -------------------------------------------------------------
     async def _handle_metrics(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -302,13 +349,14 @@ class EmbeddedProxy:
 
     async def _forward(self, request: web.BaseRequest, path: str, query: str,
                        stream: bool) -> web.StreamResponse:
-        if not self._backends.current():
-            self.metrics.count(NO_INSTANCE, 503)
-            return _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
         body = await self._read_body(request)
         if not isinstance(body, bytes):
             self.metrics.count(NO_INSTANCE, body.status)
             return body
+        if not await self._hold.ready():
+            self.metrics.count(NO_INSTANCE, 503)
+            return _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
+        hints = RouteHints.from_prompt(prompt_of_json(body)) if self._balancer.wants_prompt else None
         peer = request.remote
         headers = upstream_request_headers(request.headers, peer, peer in self._trusted)
         method = request.method
@@ -321,8 +369,17 @@ class EmbeddedProxy:
         last = "no attempt made"
         loop = asyncio.get_running_loop()
         for attempt in range(self._max_attempts):
-            backends = self._backends.current()  # re-read: the set may change between attempts
-            b = balancer.pick(backends, tried) or balancer.pick(backends)
+            # Re-read: the set may change between attempts; an instance that just died
+            # may have been the only one, then the retry waits for one to be ready.
+            backends = self._backends.current() or await self._hold.ready()
+            b = balancer.pick(backends, tried, hints)
+            if b is None and backends:
+                # Only instances this request already tried are left: usually the one that
+                # just failed, not yet out of rotation. Give the daemon a moment to see it
+                # go (exits are seen in ~30 ms); then the hold waits for its restart.
+                await asyncio.sleep(SAME_INSTANCE_RETRY_DELAY_S)
+                backends = self._backends.current() or await self._hold.ready()
+                b = balancer.pick(backends, (), hints)
             if b is None:
                 break
             iid = b.instance_id
@@ -336,8 +393,10 @@ class EmbeddedProxy:
             try:
                 t0 = loop.time()
                 try:
-                    up = await session.request(method, target, headers=headers, data=body,
-                                               allow_redirects=False)
+                    up = await asyncio.wait_for(
+                        session.request(method, target, headers=headers, data=body,
+                                        allow_redirects=False, timeout=self._timeout),
+                        self._first_byte_s)
                 except aiohttp.ClientConnectorError as exc:
                     raise _Retryable("connect_refused") from exc
                 except aiohttp.ConnectionTimeoutError as exc:
@@ -345,30 +404,41 @@ class EmbeddedProxy:
                 except aiohttp.SocketTimeoutError:
                     # The instance took the request and went silent for idle_timeout_s:
                     # not retried (the work may be running), reported as a hang.
-                    self._upstream_failed(iid, "header_timeout")
+                    self._upstream_failed(b, "header_timeout")
                     self.metrics.count(iid, 504)
                     return _error(504, "instance did not answer within the idle timeout")
                 except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                     raise _Retryable("disconnected") from exc
                 except aiohttp.ClientError as exc:  # e.g. an unparsable response
-                    self._upstream_failed(iid, "bad_response")
+                    self._upstream_failed(b, "bad_response")
                     self._log.warning("instance %s: bad response for %s: %r", iid, path, exc)
                     self.metrics.count(iid, 502)
                     return _error(502, "instance sent an invalid response")
+                except asyncio.TimeoutError as exc:  # after aiohttp's own timeouts (subclasses)
+                    # No response head within --first-byte-timeout-s: the request was
+                    # cancelled there (the connection closed); nothing reached the client.
+                    raise _Retryable("first_byte_timeout") from exc
                 self.metrics.observe_latency(iid, loop.time() - t0)
-                if up.status == 503 or (up.status >= 400 and not self._is_ready(iid)):
+                status = up.status
+                if status == 503 or (status >= 400 and not self._is_ready(iid)):
                     # The instance says it cannot serve (503), or it answered with an error
                     # while leaving rotation (a TP rank died mid-generation: Triton turns the
                     # model's error into a 400 or 500). That error says nothing about the
                     # request, and no byte has reached the client: try another instance.
                     up.close()
-                    raise _Retryable(f"http_{up.status}")
-                return await self._relay(request, up, iid, stream)
+                    raise _Retryable(f"http_{status}", blame=False)
+                peeked = await self._peek_error(up) if status == 500 else None
+                if peeked is not None and QUEUE_FULL_TEXT in peeked:
+                    up.release()
+                    raise _Retryable("queue_full", blame=False)
+                return await self._relay(request, up, b, stream, peeked)
             except _Retryable as exc:
                 last = f"instance {iid}: {exc.reason}"
-                self._upstream_failed(iid, exc.reason)
+                self.metrics.failure(iid, exc.reason)
+                if exc.blame:
+                    b.report_failure(exc.reason)
                 if exc.reason != "disconnected":
-                    balancer.connect_failed(iid)
+                    balancer.connect_failed(iid)  # deprioritise it for a moment
                 if attempt + 1 < self._max_attempts:
                     self.metrics.retry(iid, exc.reason)
                 self._log.debug("attempt %d for %s failed: %s", attempt + 1, path, last)
@@ -382,30 +452,43 @@ class EmbeddedProxy:
     def _is_ready(self, iid: str) -> bool:
         return any(b.instance_id == iid for b in self._backends.current())
 
-    def _upstream_failed(self, iid: str, reason: str) -> None:
-        self.metrics.failure(iid, reason)
-        self._backends.report_failure(iid, reason)
+    def _upstream_failed(self, b: Backend, reason: str) -> None:
+        self.metrics.failure(b.instance_id, reason)
+        b.report_failure(reason)
 
-    async def _relay(self, request: web.BaseRequest, up: aiohttp.ClientResponse, iid: str,
-                     stream: bool) -> web.StreamResponse:
+    @staticmethod
+    async def _peek_error(up: aiohttp.ClientResponse) -> bytes | None:
+        """A small error body, read whole (None when large, streamed or unreadable)."""
+        length = up.headers.get("Content-Length")
+        if length is None or not length.isdigit() or int(length) > ERROR_PEEK_MAX:
+            return None
+        try:
+            return await up.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
+    async def _relay(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
+                     stream: bool, peeked: bytes | None = None) -> web.StreamResponse:
         """Send the instance's response to the client; `up` is always closed or released."""
         status = up.status
+        iid = b.instance_id
         if status >= 500:
-            self._upstream_failed(iid, f"http_{status}")
+            self._upstream_failed(b, f"http_{status}")
         else:
             self._balancer.succeeded(iid)
-            self._backends.report_success(iid)
+            b.report_success()
         uh = up.headers
         length = uh.get("Content-Length")
         ctype = uh.get("Content-Type", "")
         clean = False
         try:
-            if (not stream and length is not None and length.isdigit() and int(length) <= BUFFER_MAX
+            if peeked is not None or (
+                    not stream and length is not None and length.isdigit() and int(length) <= BUFFER_MAX
                     and "Transfer-Encoding" not in uh and not ctype.startswith(_SSE)):
                 try:
-                    data = await up.read()
+                    data = peeked if peeked is not None else await up.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    self._upstream_failed(iid, "body_error")
+                    self._upstream_failed(b, "body_error")
                     self.metrics.count(iid, 502)
                     self._log.debug("instance %s: body failed: %r", iid, exc)
                     return _error(502, "instance dropped the connection mid-response")
@@ -413,7 +496,7 @@ class EmbeddedProxy:
                 clean = True
                 return web.Response(status=status, reason=up.reason, body=data,
                                     headers=client_response_headers(uh, keep_length=False))
-            resp, clean = await self._stream(request, up, iid, length)
+            resp, clean = await self._stream(request, up, b, length)
             return resp
         finally:
             # release() returns a fully read connection to the pool; close() drops
@@ -423,9 +506,10 @@ class EmbeddedProxy:
             else:
                 up.close()
 
-    async def _stream(self, request: web.BaseRequest, up: aiohttp.ClientResponse, iid: str,
+    async def _stream(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
                       length: str | None) -> tuple[web.StreamResponse, bool]:
         """Relay chunk by chunk; True when the instance's response was read to its end."""
+        iid = b.instance_id
         headers = client_response_headers(up.headers, keep_length=length is not None)
         if headers.get("Content-Type", "").startswith(_SSE) or length is None:
             headers.setdefault("X-Accel-Buffering", "no")  # tell any proxy in front not to buffer
@@ -443,7 +527,7 @@ class EmbeddedProxy:
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 # Committed: bytes may have reached the client. Truncate so it can tell.
                 reason = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "body_error"
-                self._upstream_failed(iid, reason)
+                self._upstream_failed(b, reason)
                 self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
                 request.protocol.force_close()
                 return resp, False

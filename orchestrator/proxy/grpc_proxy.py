@@ -12,8 +12,10 @@ Retries follow what Envoy and NGINX treat as safe: a unary call is retried on an
 instance when it fails with UNAVAILABLE (for a unary call nothing has reached the client
 yet); a stream is retried only until its first response message reached the client.
 Only transport failures (the channel to the instance is not READY afterwards: refused,
-reset) are reported to the daemon as instance failures; an UNAVAILABLE that Triton
-itself answered (e.g. a model being reloaded) is retried but not blamed on the instance.
+reset) and a missed first-byte deadline count against the instance (its passive health,
+through its Backend); an UNAVAILABLE that Triton itself answered (e.g. a model being
+reloaded) and TRT-LLM's queue-full INTERNAL error are retried on another instance but
+not blamed on the instance. While no instance is ready, calls are held (hold.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from ..config import Settings
 from ..errors import OrchError
 from .backends import Backend, ReadyBackends
 from .balancer import Balancer
+from .embedded import QUEUE_FULL_TEXT, SAME_INSTANCE_RETRY_DELAY_S
+from .hold import HoldGate
+from .llm_policies import RouteHints
+from .prompt import prompt_of_grpc
 from .surface import ADMIN_GRPC_METHODS, GRPC_SERVICE, PUBLIC_GRPC_METHODS, STREAMING_GRPC_METHODS
 
 # Request metadata that belongs to this hop, not to the call: HTTP/2 pseudo headers
@@ -94,7 +100,9 @@ class GrpcProxy:
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.grpc_proxy")
         self._balancer = Balancer(settings.lb_policy)
-        self._max_attempts = settings.max_attempts
+        self._hold = HoldGate(backends, settings.hold_s, settings.max_held)
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self.apply_settings(settings)
         size = settings.max_body_bytes
         self._channel_options = [
             ("grpc.max_send_message_length", size),
@@ -119,7 +127,19 @@ class GrpcProxy:
         self._server: grpc.aio.Server | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._port = 0
-        self._handlers = self._build_handlers()
+
+    def apply_settings(self, settings: Settings) -> None:
+        """The knobs a reload changes in place (the listen address needs `down`/`up`)."""
+        self._settings = settings
+        if settings.lb_policy != self._balancer.policy:
+            self._balancer.set_policy(settings.lb_policy)
+        self._max_attempts = settings.max_attempts
+        self._first_byte_s = settings.first_byte_timeout_s or None
+        self._hold.hold_s, self._hold.max_held = settings.hold_s, settings.max_held
+        # In place: the server's generic handler holds this dict (allow_admin may change).
+        handlers = self._build_handlers()
+        self._handlers.clear()
+        self._handlers.update(handlers)
 
     # --- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -137,10 +157,12 @@ class GrpcProxy:
         await server.start()
         self._server, self._port = server, port
         self._unsubscribe = self._backends.subscribe(self._on_ready_set)
+        self._hold.start()
         self._log.info("grpc proxy listening on %s (port %d, policy %s)", address, port,
                        self._settings.lb_policy)
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        self._hold.close()
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -171,6 +193,7 @@ class GrpcProxy:
             if keep.get(iid) != up.backend:
                 del self._upstreams[iid]
                 self._retire(up)
+                self._balancer.forget(iid)
 
     def _retire(self, up: _Upstream) -> None:
         # Calls already on the channel may finish (a long generation is not cut because
@@ -192,15 +215,31 @@ class GrpcProxy:
             up = self._upstreams[backend.instance_id] = _Upstream(backend, self._channel_options)
         return up
 
-    def _pick(self, tried: set[str] | None) -> Backend | None:
+    async def _pick(self, tried: set[str] | None, hints: RouteHints | None) -> Backend | None:
         # Unlike the HTTP proxy, never back to an instance this call already tried: a
-        # gRPC UNAVAILABLE may be the instance's own answer, and would be again.
-        return self._balancer.pick(self._backends.current(), tried or ())
+        # gRPC UNAVAILABLE may be the instance's own answer, and would be again. An
+        # instance that restarted since is a new one: the hold waits for it.
+        backends = self._backends.current() or await self._hold.ready()
+        chosen = self._balancer.pick(backends, tried or (), hints)
+        if chosen is None and backends and tried:
+            # Only tried ones left: usually the one that just failed, not yet out of
+            # rotation. Give the daemon a moment to see it go, then hold for a restart.
+            await asyncio.sleep(SAME_INSTANCE_RETRY_DELAY_S)
+            if not self._backends.current():
+                tried.clear()  # everything left rotation: what comes back is restarted
+            backends = self._backends.current() or await self._hold.ready()
+            chosen = self._balancer.pick(backends, tried, hints)
+        return chosen
+
+    def _hints(self, message: bytes | None) -> RouteHints | None:
+        if message is None or not self._balancer.wants_prompt:
+            return None
+        return RouteHints.from_prompt(prompt_of_grpc(message))
 
     def _answered(self, up: _Upstream) -> None:
         up.failing = False
         self._balancer.succeeded(up.backend.instance_id)
-        self._backends.report_success(up.backend.instance_id)
+        up.backend.report_success()
 
     def _on_unavailable(self, up: _Upstream, err: grpc.aio.AioRpcError) -> None:
         if up.transport_failed():
@@ -209,7 +248,7 @@ class GrpcProxy:
                 up.failing = True
                 self._log.warning("instance %s (%s) unreachable: %s", up.backend.instance_id,
                                   up.backend.grpc_target, err.details())
-            self._backends.report_failure(up.backend.instance_id, f"grpc: {err.details()}")
+            up.backend.report_failure(f"grpc: {err.details()}")
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> tuple[float, bool]:
         """Upstream timeout, and whether it is ours (the client gave no deadline)."""
@@ -240,13 +279,18 @@ class GrpcProxy:
             metadata = _forwardable(context.invocation_metadata())
             tried: set[str] | None = None
             last: grpc.aio.AioRpcError | None = None
+            hints = self._hints(request) if local_answer is None else None
             for _ in range(self._max_attempts):
-                backend = self._pick(tried)
+                backend = await self._pick(tried, hints) if local_answer is None else \
+                    self._balancer.pick(self._backends.current(), tried or ())
                 if backend is None:
                     break
                 iid = backend.instance_id
                 up = self._upstream(backend)
                 timeout, ours = self._timeout(context)
+                first_byte = self._first_byte_s is not None and self._first_byte_s < timeout
+                if first_byte:
+                    timeout, ours = self._first_byte_s, True
                 self._balancer.acquire(iid)
                 try:
                     # Awaiting the call cancels it upstream if this handler is cancelled
@@ -255,14 +299,17 @@ class GrpcProxy:
                                                                  timeout=timeout)
                 except grpc.aio.AioRpcError as err:
                     code = err.code()
+                    retry = code is grpc.StatusCode.UNAVAILABLE or _queue_full(err) or (
+                        code is grpc.StatusCode.DEADLINE_EXCEEDED and first_byte)
                     if code is grpc.StatusCode.UNAVAILABLE:
                         self._on_unavailable(up, err)
+                    elif code is grpc.StatusCode.DEADLINE_EXCEEDED and ours:
+                        backend.report_failure(f"grpc: no answer within {timeout:g} s")
+                    if retry:
                         last = err
                         tried = tried or set()
                         tried.add(iid)
                         continue
-                    if code is grpc.StatusCode.DEADLINE_EXCEEDED and ours:
-                        self._backends.report_failure(iid, f"grpc: no answer within {timeout:g} s")
                     await context.abort(code, err.details() or "",
                                         _forwardable(err.trailing_metadata()) or ())
                 finally:
@@ -295,8 +342,9 @@ class GrpcProxy:
                                context: grpc.aio.ServicerContext) -> None:
         tried: set[str] | None = None
         last: grpc.aio.AioRpcError | None = None
+        hints = self._hints(await inbox.first()) if self._balancer.wants_prompt else None
         for _ in range(self._max_attempts):
-            backend = self._pick(tried)
+            backend = await self._pick(tried, hints)
             if backend is None:
                 break
             iid = backend.instance_id
@@ -310,23 +358,32 @@ class GrpcProxy:
             self._balancer.acquire(iid)
             try:
                 while True:
-                    response = await call.read()
+                    if inbox.committed or self._first_byte_s is None:
+                        response = await call.read()
+                    else:
+                        try:
+                            response = await asyncio.wait_for(call.read(), self._first_byte_s)
+                        except asyncio.TimeoutError:
+                            backend.report_failure(f"grpc: no first message within {self._first_byte_s:g} s")
+                            tried = tried or set()
+                            tried.add(iid)
+                            break  # the finally cancels this call; the next attempt replays
                     if response is grpc.aio.EOF:
-                        break
+                        return
                     if not inbox.committed:
                         inbox.commit()
                         self._answered(up)
                     await context.write(response)
-                return
+                continue
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code is grpc.StatusCode.UNAVAILABLE:
                     self._on_unavailable(up, err)
-                    if not inbox.committed:
-                        last = err
-                        tried = tried or set()
-                        tried.add(iid)
-                        continue
+                if (code is grpc.StatusCode.UNAVAILABLE or _queue_full(err)) and not inbox.committed:
+                    last = err
+                    tried = tried or set()
+                    tried.add(iid)
+                    continue
                 await context.abort(code, err.details() or "",
                                     _forwardable(err.trailing_metadata()) or ())
             finally:
@@ -337,6 +394,10 @@ class GrpcProxy:
             await context.abort(last.code(), last.details() or "",
                                 _forwardable(last.trailing_metadata()) or ())
         await context.abort(grpc.StatusCode.UNAVAILABLE, NO_READY)
+
+
+def _queue_full(err: grpc.aio.AioRpcError) -> bool:
+    return err.code() is grpc.StatusCode.INTERNAL and QUEUE_FULL_TEXT.decode() in (err.details() or "")
 
 
 class _Inbox:
@@ -370,6 +431,16 @@ class _Inbox:
     def commit(self) -> None:
         self.committed = True
         self._replay = []
+
+    async def first(self) -> bytes | None:
+        """The client's first message (kept for the replay), for routing on its prompt."""
+        if not self._replay and not self._client_done:
+            message = await self._queue.get()
+            if message is self._DONE:
+                self._client_done = True
+                return None
+            self._replay.append(message)
+        return self._replay[0] if self._replay else None
 
     async def pump(self, call: Any) -> None:
         try:
