@@ -1,4 +1,4 @@
-"""`trtllm-orch`: up, plan, status, down, restart, reload, logs, render-nginx, install-service."""
+"""`trtllm-orch`: up, plan, status, top, down, restart, reload, logs, render-nginx, install-service."""
 
 from __future__ import annotations
 
@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show the instances of the running daemon")
     _add_state_dir(status)
     status.add_argument("--json", action="store_true")
+    top = sub.add_parser("top", help="live view of the instances (q or Ctrl-C quits); one table when "
+                         "stdout is not a terminal")
+    _add_state_dir(top)
+    top.add_argument("--once", action="store_true", help="print one table and exit")
+    top.add_argument("--interval-s", type=float, default=0.5, help="refresh interval")
     down = sub.add_parser("down", help="stop everything; returns once nothing of the run is left")
     _add_state_dir(down)
     down.add_argument("--timeout-s", type=float, default=300.0, help="how long to wait for the daemon")
@@ -256,8 +261,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         new = prepare(_settings_from(args), for_launch=True)
         return Launchable(new.settings, new.build_command)
 
+    from .progress import LoadProgress
     daemon = Daemon(settings, prepared.plan, prepared.build_command, sd,
-                    gpu_holders=gpu_holders, gpu_usage=gpu_usage, reload_config=reload_config)
+                    gpu_holders=gpu_holders, gpu_usage=gpu_usage, reload_config=reload_config,
+                    progress=LoadProgress())
     try:
         return asyncio.run(daemon.run())
     except KeyboardInterrupt:
@@ -302,6 +309,13 @@ def format_status(status: dict[str, Any]) -> str:
         for line in inst.get("errors", []):
             lines.append(f"      log: {line[:200]}")
     return "\n".join(lines)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from .top import run
+    if args.interval_s <= 0:
+        raise UsageError("--interval-s", args.interval_s, "must be > 0")
+    return run(_state_dir_of(args).socket_path, once=args.once, interval=args.interval_s)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -375,7 +389,7 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     return install_service(args, _settings_from(args))
 
 
-COMMANDS = {"up": cmd_up, "plan": cmd_plan, "status": cmd_status, "down": cmd_down,
+COMMANDS = {"up": cmd_up, "plan": cmd_plan, "status": cmd_status, "top": cmd_top, "down": cmd_down,
             "restart": cmd_restart, "reload": cmd_reload, "logs": cmd_logs,
             "render-nginx": cmd_render_nginx, "install-service": cmd_install_service}
 

@@ -53,7 +53,7 @@ class Daemon:
                  state_dir: StateDir, *, ops: OsOps | None = None,
                  gpu_holders: Callable[[tuple[int, ...]], set[int]] | None = None,
                  gpu_usage: Callable[[tuple[int, ...]], dict[int, dict]] | None = None,
-                 reload_config: Callable[[], Launchable] | None = None):
+                 reload_config: Callable[[], Launchable] | None = None, progress: Any = None):
         self.settings = settings
         self.plan = plan
         self.state_dir = state_dir
@@ -77,6 +77,9 @@ class Daemon:
         self._announced_ready = False
         self._state_writer = StateWriter(state_dir, self.state_record)
         self.loop_monitor = LoopMonitor()
+        # Shows engines loading (progress.LoadProgress): told of every instance change,
+        # renders from a task of its own that the daemon owns.
+        self._progress = progress
 
     # --- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -116,6 +119,8 @@ class Daemon:
         background = [loop.create_task(self._watchdog_loop(), name="watchdog"),
                       loop.create_task(self._state_writer.run(), name="state-writer"),
                       loop.create_task(self.loop_monitor.run(), name="loop-monitor")]
+        if self._progress is not None:
+            background.append(loop.create_task(self._progress.run(self.instances), name="load-progress"))
         supervisors: dict[str, asyncio.Task] = {}
         exit_code = 0
         try:
@@ -231,6 +236,8 @@ class Daemon:
         self.backends.publish(tuple(i.backend for i in self.instances.values() if i.serving))
         self._write_state()
         self._report_to_systemd()
+        if self._progress is not None:
+            self._progress.changed(inst)
 
     def _write_state(self) -> None:
         # Coalesced and written (with fsync) in a worker thread: this runs inside proxy
@@ -253,11 +260,13 @@ class Daemon:
             for key, value in proxy.inflight().items():
                 inflight[key] = inflight.get(key, 0) + value
         gpu = await self._gpu_status()
+        llm, held = self._llm_status()
         instances = []
         for inst in self.instances.values():
             entry = inst.describe()
             entry["inflight"] = inflight.get(inst.id, 0)
             entry["gpu"] = [gpu[g] for g in entry["gpus"] if g in gpu]
+            entry["llm"] = llm.get(inst.id)
             instances.append(entry)
         s = self.settings
         return {
@@ -269,11 +278,24 @@ class Daemon:
                        "config_generation": self._shared.generation if self._shared else 1,
                        "stopping": self._stop.is_set(),
                        "rolling_restart": bool(self._reload_task and not self._reload_task.done()),
-                       "loop_lag_ms": self.loop_monitor.summary()},
+                       "loop_lag_ms": self.loop_monitor.summary(),
+                       "lb_policy": s.lb_policy, "held": held,
+                       "tokens_per_s": round(sum(v["tokens_per_s"] for v in llm.values()), 1)},
             "proxies": [p.status() for p in self.proxies if hasattr(p, "status")],
             "ready": self.ready_count(), "total": len(self.instances),
             "instances": instances,
         }
+
+    def _llm_status(self) -> tuple[dict[str, dict[str, Any]], int]:
+        """The proxies' last minute per instance (TTFT, tokens/s) and their held requests."""
+        # The embedded HTTP and gRPC proxies share one ProxyMetrics: count it once.
+        metrics = {id(m): m for m in (getattr(p, "metrics", None) for p in self.proxies) if m is not None}
+        llm: dict[str, dict[str, Any]] = {}
+        held = 0
+        for m in metrics.values():
+            held += m.held_now()
+            llm.update(m.recent.summary())
+        return llm, held
 
     async def _gpu_status(self) -> dict[int, dict[str, Any]]:
         if self._gpu_usage is None:

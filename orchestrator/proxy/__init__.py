@@ -27,13 +27,19 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     """
     logger = logging.getLogger("trtllm-orch.proxy")
     if settings.proxy == "none":
+        if settings.openai == "on" and settings.openai_listen:
+            # The OpenAI API for a system NGINX, which forwards /v1/ here (render-nginx).
+            from .openai_frontend import OpenAIListener
+            return [OpenAIListener(settings, backends, logger)]
         return []
     if settings.proxy == "nginx":
         from .nginx import NginxProxy
         return [NginxProxy(settings, backends, state_dir, logger, planned=planned, on_change=on_change)]
     from .embedded import EmbeddedProxy
-    proxies: list[Any] = [EmbeddedProxy(settings, backends, logger)]
+    from .metrics import ProxyMetrics
+    metrics = ProxyMetrics()  # one registry: the HTTP proxy's listener serves the gRPC proxy's too
+    proxies: list[Any] = [EmbeddedProxy(settings, backends, logger, metrics=metrics)]
     if settings.grpc_listen:
         from .grpc_proxy import GrpcProxy
-        proxies.append(GrpcProxy(settings, backends, logger))
+        proxies.append(GrpcProxy(settings, backends, logger, metrics=metrics))
     return proxies

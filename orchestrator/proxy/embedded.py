@@ -47,7 +47,7 @@ from .headers import TrustedPeers, client_response_headers, upstream_request_hea
 from .hold import HoldGate
 from .llm_policies import RouteHints
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import NO_INSTANCE, ProxyMetrics
+from .metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
 from .prompt import prompt_of_json
 from .surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, PUBLIC, READY, Surface
 
@@ -67,6 +67,7 @@ RETRY_AFTER_S = "1"
 CANCEL_GRACE_S = 1.0
 
 _JSON = "application/json"
+_LLM_ACTIONS = frozenset({"generate", "generate_stream", "infer"})
 _SSE = "text/event-stream"
 
 
@@ -118,7 +119,7 @@ SAME_INSTANCE_RETRY_DELAY_S = 0.1
 
 class EmbeddedProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends,
-                 logger: logging.Logger | None = None) -> None:
+                 logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None) -> None:
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.proxy")
@@ -129,8 +130,9 @@ class EmbeddedProxy:
         self._http_log.addFilter(_QuietProtocolErrors())
         self._balancer = Balancer(settings.lb_policy)
         self._surface = Surface()
-        self.metrics = ProxyMetrics()
-        self._hold = HoldGate(backends, settings.hold_s, settings.max_held)
+        self.metrics = metrics or ProxyMetrics()  # shared with the gRPC proxy (make_proxies)
+        self._hold = HoldGate(backends, settings.hold_s, settings.max_held,
+                              on_held=self.metrics.watch_held("http", lambda: self._hold.held))
         self._servers: list[GuardedServer] = []
         self.apply_settings(settings)
         self._session: aiohttp.ClientSession | None = None
@@ -353,6 +355,9 @@ class EmbeddedProxy:
         if not isinstance(body, bytes):
             self.metrics.count(NO_INSTANCE, body.status)
             return body
+        # Generations only (generate, generate_stream, infer): their first event is a token.
+        action = path.rpartition("/")[2]
+        timer = self.metrics.timer(action) if action in _LLM_ACTIONS else None
         if not await self._hold.ready():
             self.metrics.count(NO_INSTANCE, 503)
             return _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
@@ -384,6 +389,7 @@ class EmbeddedProxy:
                 break
             iid = b.instance_id
             tried.append(iid)
+            self.metrics.routed(balancer.policy, balancer.last_reason, iid)
             # encoded=True: path and query are sent exactly as classified, no requoting.
             target = URL.build(scheme="http", host=b.host, port=b.http_port, path=path,
                                query_string=query, encoded=True)
@@ -431,7 +437,7 @@ class EmbeddedProxy:
                 if peeked is not None and QUEUE_FULL_TEXT in peeked:
                     up.release()
                     raise _Retryable("queue_full", blame=False)
-                return await self._relay(request, up, b, stream, peeked)
+                return await self._relay(request, up, b, stream, peeked, timer)
             except _Retryable as exc:
                 last = f"instance {iid}: {exc.reason}"
                 self.metrics.failure(iid, exc.reason)
@@ -468,7 +474,8 @@ class EmbeddedProxy:
             return None
 
     async def _relay(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
-                     stream: bool, peeked: bytes | None = None) -> web.StreamResponse:
+                     stream: bool, peeked: bytes | None = None,
+                     timer: TokenTimer | None = None) -> web.StreamResponse:
         """Send the instance's response to the client; `up` is always closed or released."""
         status = up.status
         iid = b.instance_id
@@ -481,6 +488,8 @@ class EmbeddedProxy:
         length = uh.get("Content-Length")
         ctype = uh.get("Content-Type", "")
         clean = False
+        if status >= 300:
+            timer = None  # an error is no generation
         try:
             if peeked is not None or (
                     not stream and length is not None and length.isdigit() and int(length) <= BUFFER_MAX
@@ -494,9 +503,11 @@ class EmbeddedProxy:
                     return _error(502, "instance dropped the connection mid-response")
                 self.metrics.count(iid, status)
                 clean = True
+                if timer is not None:
+                    timer.events(iid)  # the whole answer is its one event
                 return web.Response(status=status, reason=up.reason, body=data,
                                     headers=client_response_headers(uh, keep_length=False))
-            resp, clean = await self._stream(request, up, b, length)
+            resp, clean = await self._stream(request, up, b, length, timer)
             return resp
         finally:
             # release() returns a fully read connection to the pool; close() drops
@@ -507,10 +518,13 @@ class EmbeddedProxy:
                 up.close()
 
     async def _stream(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
-                      length: str | None) -> tuple[web.StreamResponse, bool]:
+                      length: str | None, timer: TokenTimer | None = None) -> tuple[web.StreamResponse, bool]:
         """Relay chunk by chunk; True when the instance's response was read to its end."""
         iid = b.instance_id
         headers = client_response_headers(up.headers, keep_length=length is not None)
+        # SSE: every event is an output event; any other body is one answer, counted at its end.
+        sse = SseCounter() if timer is not None and up.headers.get("Content-Type", "").startswith(_SSE) \
+            else None
         if headers.get("Content-Type", "").startswith(_SSE) or length is None:
             headers.setdefault("X-Accel-Buffering", "no")  # tell any proxy in front not to buffer
             headers.setdefault("Cache-Control", "no-cache")
@@ -540,10 +554,14 @@ class EmbeddedProxy:
                 self._log.debug("client %s disconnected mid-stream from instance %s",
                                 request.remote, iid)
                 return resp, False
+            if sse is not None:
+                timer.events(iid, sse.feed(chunk))  # type: ignore[union-attr]
         try:
             await resp.write_eof()
         except ConnectionError:
             pass
+        if timer is not None and sse is None:
+            timer.events(iid)
         return resp, True
 
 

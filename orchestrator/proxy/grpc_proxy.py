@@ -35,6 +35,7 @@ from .balancer import Balancer
 from .embedded import QUEUE_FULL_TEXT, SAME_INSTANCE_RETRY_DELAY_S
 from .hold import HoldGate
 from .llm_policies import RouteHints
+from .metrics import ProxyMetrics
 from .prompt import prompt_of_grpc
 from .surface import ADMIN_GRPC_METHODS, GRPC_SERVICE, PUBLIC_GRPC_METHODS, STREAMING_GRPC_METHODS
 
@@ -95,12 +96,15 @@ class _Upstream:
 
 class GrpcProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends,
-                 logger: logging.Logger | None = None) -> None:
+                 logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None) -> None:
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.grpc_proxy")
         self._balancer = Balancer(settings.lb_policy)
-        self._hold = HoldGate(backends, settings.hold_s, settings.max_held)
+        # Served on the HTTP proxy's metrics listener when make_proxies shares it.
+        self.metrics = metrics or ProxyMetrics()
+        self._hold = HoldGate(backends, settings.hold_s, settings.max_held,
+                              on_held=self.metrics.watch_held("grpc", lambda: self._hold.held))
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
         self.apply_settings(settings)
         size = settings.max_body_bytes
@@ -229,6 +233,8 @@ class GrpcProxy:
                 tried.clear()  # everything left rotation: what comes back is restarted
             backends = self._backends.current() or await self._hold.ready()
             chosen = self._balancer.pick(backends, tried, hints)
+        if chosen is not None:
+            self.metrics.routed(self._balancer.policy, self._balancer.last_reason, chosen.instance_id)
         return chosen
 
     def _hints(self, message: bytes | None) -> RouteHints | None:
@@ -280,6 +286,7 @@ class GrpcProxy:
             tried: set[str] | None = None
             last: grpc.aio.AioRpcError | None = None
             hints = self._hints(request) if local_answer is None else None
+            timer = self.metrics.timer(name) if name == "ModelInfer" else None
             for _ in range(self._max_attempts):
                 backend = await self._pick(tried, hints) if local_answer is None else \
                     self._balancer.pick(self._backends.current(), tried or ())
@@ -309,12 +316,15 @@ class GrpcProxy:
                         last = err
                         tried = tried or set()
                         tried.add(iid)
+                        self.metrics.retry(iid, _retry_cause(err))
                         continue
                     await context.abort(code, err.details() or "",
                                         _forwardable(err.trailing_metadata()) or ())
                 finally:
                     self._balancer.release(iid)
                 self._answered(up)
+                if timer is not None:
+                    timer.events(iid)
                 return response
             # Nothing answered. The proxy itself is alive; it is "not ready" when no
             # instance is, which is an answer, not an error, for ServerReady.
@@ -343,6 +353,7 @@ class GrpcProxy:
         tried: set[str] | None = None
         last: grpc.aio.AioRpcError | None = None
         hints = self._hints(await inbox.first()) if self._balancer.wants_prompt else None
+        timer = self.metrics.timer("ModelStreamInfer")
         for _ in range(self._max_attempts):
             backend = await self._pick(tried, hints)
             if backend is None:
@@ -367,6 +378,7 @@ class GrpcProxy:
                             backend.report_failure(f"grpc: no first message within {self._first_byte_s:g} s")
                             tried = tried or set()
                             tried.add(iid)
+                            self.metrics.retry(iid, "first_byte_timeout")
                             break  # the finally cancels this call; the next attempt replays
                     if response is grpc.aio.EOF:
                         return
@@ -374,6 +386,7 @@ class GrpcProxy:
                         inbox.commit()
                         self._answered(up)
                     await context.write(response)
+                    timer.events(iid)
                 continue
             except grpc.aio.AioRpcError as err:
                 code = err.code()
@@ -383,6 +396,7 @@ class GrpcProxy:
                     last = err
                     tried = tried or set()
                     tried.add(iid)
+                    self.metrics.retry(iid, _retry_cause(err))
                     continue
                 await context.abort(code, err.details() or "",
                                     _forwardable(err.trailing_metadata()) or ())
@@ -398,6 +412,15 @@ class GrpcProxy:
 
 def _queue_full(err: grpc.aio.AioRpcError) -> bool:
     return err.code() is grpc.StatusCode.INTERNAL and QUEUE_FULL_TEXT.decode() in (err.details() or "")
+
+
+def _retry_cause(err: grpc.aio.AioRpcError) -> str:
+    """The retries metric's reason, in the HTTP proxy's words where they mean the same."""
+    if _queue_full(err):
+        return "queue_full"
+    if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "first_byte_timeout"
+    return "unavailable"
 
 
 class _Inbox:

@@ -8,7 +8,8 @@ a dict build, too much for the per-request path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -16,11 +17,19 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import parse_host_port
 from ..errors import OrchError
+from .recent import RecentLLM
 
 NO_INSTANCE = "none"  # label for requests answered by the proxy itself (403, 404, 503...)
 # Time to response headers: sub-ms for metadata, seconds for long prompts.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0, 60.0, float("inf"))
+# Time to first token: tens of ms for a cached prompt, minutes for a long one behind a queue.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0, float("inf"))
+# Between tokens: an engine iteration (ms to tens of ms), more when the batch is full.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+               2.5, float("inf"))
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -46,6 +55,30 @@ class ProxyMetrics:
         self.instance_ready = Gauge("trtllm_orch_proxy_instance_ready",
                                     "1 while the instance is in the ready set", ("instance",),
                                     registry=r)
+        # LLM-level: what a client of a generation sees (see TokenTimer).
+        self.ttft = Histogram("trtllm_orch_proxy_time_to_first_token_seconds",
+                              "From the proxy having the request to its first output event reaching "
+                              "the client (holds and retries included), by instance and API",
+                              ("instance", "api"), buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram("trtllm_orch_proxy_inter_token_seconds",
+                                     "Time between consecutive output events of a stream",
+                                     ("instance", "api"), buckets=ITL_BUCKETS, registry=r)
+        self.output_events = Counter("trtllm_orch_proxy_output_events",
+                                     "Output events relayed: SSE events of generate_stream, messages of "
+                                     "ModelStreamInfer, 1 per non-streamed answer (per-token streaming: "
+                                     "1 event = 1 token)", ("instance", "api"), registry=r)
+        self.held = Gauge("trtllm_orch_proxy_held_requests",
+                          "Requests waiting for an instance to become ready", ("proxy",), registry=r)
+        self.hold_time = Histogram("trtllm_orch_proxy_hold_seconds",
+                                   "How long held requests waited, by whether an instance came",
+                                   ("proxy", "outcome"), buckets=HOLD_BUCKETS, registry=r)
+        self.routing = Counter("trtllm_orch_proxy_routing_decisions",
+                               "Instances chosen for an attempt, by policy and the policy's reason",
+                               ("policy", "reason", "instance"), registry=r)
+        self.recent = RecentLLM()  # the last minute, for `status` and `top`
+        self._held_gauges: dict[str, Callable[[], int]] = {}
+        self._routing_children: dict[tuple[str, str, str], Counter] = {}
+        self._llm_children: dict[tuple[str, str], tuple[Histogram, Histogram, Counter]] = {}
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._inflight_children: dict[str, Gauge] = {}
         self._latency_children: dict[str, Histogram] = {}
@@ -71,6 +104,26 @@ class ProxyMetrics:
             h = self._latency_children[instance] = self.latency.labels(instance)
         h.observe(seconds)
 
+    def routed(self, policy: str, reason: str, instance: str) -> None:
+        key = (policy, reason, instance)
+        c = self._routing_children.get(key)
+        if c is None:
+            c = self._routing_children[key] = self.routing.labels(policy, reason, instance)
+        c.inc()
+
+    def llm_children(self, instance: str, api: str) -> tuple[Histogram, Histogram, Counter]:
+        key = (instance, api)
+        children = self._llm_children.get(key)
+        if children is None:
+            children = self._llm_children[key] = (self.ttft.labels(instance, api),
+                                                  self.inter_token.labels(instance, api),
+                                                  self.output_events.labels(instance, api))
+        return children
+
+    def timer(self, api: str) -> "TokenTimer":
+        """The clock of one generation, started now (see TokenTimer)."""
+        return TokenTimer(self, api)
+
     def retry(self, instance: str, reason: str) -> None:
         self.retries.labels(instance, reason).inc()
 
@@ -87,49 +140,76 @@ class ProxyMetrics:
             self.instance_ready.labels(iid).set(0)  # keep the series: "was ready, now not" is news
         self._known_instances |= ids
 
+    # --- holds ----------------------------------------------------------------------
+    def watch_held(self, proxy: str, count: Callable[[], int]) -> Callable[[float, bool], None]:
+        """Export a hold gate's waiting count (read at scrape time); returns its on_held hook."""
+        self._held_gauges[proxy] = count
+        self.held.labels(proxy).set_function(count)
+        routed, timed_out = self.hold_time.labels(proxy, "routed"), self.hold_time.labels(proxy, "timed_out")
+
+        def on_held(seconds: float, got_instance: bool) -> None:
+            (routed if got_instance else timed_out).observe(seconds)
+
+        return on_held
+
+    def held_now(self) -> int:
+        return sum(count() for count in self._held_gauges.values())
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class NginxMetrics:
-    """What only `--proxy nginx` has: its managed master's health (in ProxyMetrics' registry)."""
+class TokenTimer:
+    """One generation's clock, from the moment the proxy has the request.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.up = Gauge("trtllm_orch_proxy_nginx_up", "1 while the managed nginx master runs", registry=registry)
-        self.restarts = Counter("trtllm_orch_proxy_nginx_restarts",
-                                "Masters started after the managed nginx master died", registry=registry)
+    The proxy calls `events(instance, n)` as output events reach the client: the first
+    one is the time to first token (a non-streamed answer is one event, so its TTFT is
+    its whole latency), the gaps after it are inter-token times. Retries and holds fall
+    inside the TTFT, as the client sees them. One per request, on the event loop.
+    """
 
+    __slots__ = ("_metrics", "api", "started", "_last", "_children")
 
-class MetricsServer:
-    """GET /metrics on its own listener, for a proxy whose traffic is not served by aiohttp (nginx)."""
-
-    def __init__(self, metrics: ProxyMetrics, address: str, flag: str = "--metrics-listen") -> None:
+    def __init__(self, metrics: ProxyMetrics, api: str) -> None:
         self._metrics = metrics
-        self._address = address
-        self._flag = flag
-        self._runner: web.ServerRunner | None = None
-        self.port = 0
+        self.api = api
+        self.started = time.monotonic()
+        self._last: float | None = None
+        self._children: tuple[Histogram, Histogram, Counter] | None = None
 
-    async def start(self) -> None:
-        host, port = parse_host_port(self._address, self._flag)
-        runner = web.ServerRunner(web.Server(self._handle, access_log=None), handle_signals=False)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise OrchError(f"{self._flag}={self._address!r}: cannot listen: {exc.strerror or exc}") from None
-        self._runner = runner
-        self.port = runner.addresses[0][1]
+    def events(self, instance: str, n: int = 1) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        children = self._children
+        if children is None:
+            children = self._children = self._metrics.llm_children(instance, self.api)
+        ttft, itl, count = children
+        recent = self._metrics.recent
+        if self._last is None:
+            first = now - self.started
+            ttft.observe(first)
+            recent.first_token(instance, first, now)
+        else:
+            itl.observe(now - self._last)
+        for _ in range(n - 1):  # events that arrived in the same read came together
+            itl.observe(0.0)
+        self._last = now
+        count.inc(n)
+        recent.events(instance, n, now)
 
-    async def stop(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.path != "/metrics":
-            return web.json_response({"error": "not found"}, status=404)
-        if request.method != "GET":
-            return web.json_response({"error": "method not allowed"}, status=405, headers={"Allow": "GET"})
-        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+class SseCounter:
+    """Counts complete SSE events (blank-line terminated) across arbitrary chunk splits."""
+
+    __slots__ = ("_newline",)
+
+    def __init__(self) -> None:
+        self._newline = False  # the last chunk ended inside a terminator ("...\n")
+
+    def feed(self, chunk: bytes) -> int:
+        n = chunk.count(b"\n\n")
+        if self._newline and chunk.startswith(b"\n"):
+            n += 1
+        self._newline = chunk.endswith(b"\n") and not chunk.endswith(b"\n\n")
+        return n

@@ -1,0 +1,97 @@
+"""What the last minute looked like per instance: TTFT percentiles and output events per second.
+
+Prometheus histograms answer "p99 over the last minute" only through a Prometheus
+server (rate() over buckets); `status` and `top` must answer it alone. So the proxy
+also keeps the raw numbers of the last minute here, in one-second buckets per
+instance: recording is an append or an addition (the per-request path), and the
+work of sorting happens only when `status` asks (twice a second under `top`).
+
+Everything runs on the event loop; no lock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+WINDOW_S = 60
+# Per instance and second. Beyond it the percentiles come from the first samples of
+# that second, which is fine for an operator's view and bounds the memory.
+MAX_SAMPLES_PER_S = 2000
+
+
+class _Second:
+    __slots__ = ("sec", "ttft", "firsts", "events")
+
+    def __init__(self, sec: int) -> None:
+        self.sec = sec
+        self.ttft: list[float] = []
+        self.firsts = 0  # generations that produced a first event
+        self.events = 0
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted, non-empty list."""
+    rank = max(1, math.ceil(q * len(sorted_values) - 1e-9))  # 0.99 * 100 is 99.00000000000001
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+class RecentLLM:
+    def __init__(self, window_s: int = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._seconds: dict[str, deque[_Second]] = {}
+        self._since: dict[str, float] = {}  # first record per instance: the window's real span
+
+    def _second(self, instance: str, now: float) -> _Second:
+        sec = int(now)
+        dq = self._seconds.get(instance)
+        if dq is None:
+            dq = self._seconds[instance] = deque()
+            self._since[instance] = now
+        if dq and dq[-1].sec == sec:
+            return dq[-1]
+        s = _Second(sec)
+        dq.append(s)
+        while dq[0].sec <= sec - self.window_s:
+            dq.popleft()
+        return s
+
+    # --- per request (hot path) --------------------------------------------------
+    def first_token(self, instance: str, seconds: float, now: float) -> None:
+        s = self._second(instance, now)
+        s.firsts += 1
+        if len(s.ttft) < MAX_SAMPLES_PER_S:
+            s.ttft.append(seconds)
+
+    def events(self, instance: str, n: int, now: float) -> None:
+        self._second(instance, now).events += n
+
+    # --- for status ----------------------------------------------------------------
+    def summary(self, now: float | None = None) -> dict[str, dict[str, Any]]:
+        """Per instance seen in the last window: ttft p50/p99 (ms), output events/s, generations."""
+        now = self.clock() if now is None else now
+        oldest = int(now - self.window_s)
+        out: dict[str, dict[str, Any]] = {}
+        for instance, dq in list(self._seconds.items()):
+            seconds = [s for s in dq if s.sec >= oldest]
+            if not seconds:
+                del self._seconds[instance]  # idle for a whole window: forget it
+                del self._since[instance]
+                continue
+            ttft = sorted(v for s in seconds for v in s.ttft)
+            events = sum(s.events for s in seconds)
+            # Rate over the part of the window this instance has been seen in (a fresh
+            # instance is not diluted by the seconds before it existed), at least 1 s.
+            span = max(1.0, min(float(self.window_s), now - self._since[instance]))
+            out[instance] = {
+                "ttft_p50_ms": round(percentile(ttft, 0.50) * 1000, 1) if ttft else None,
+                "ttft_p99_ms": round(percentile(ttft, 0.99) * 1000, 1) if ttft else None,
+                "tokens_per_s": round(events / span, 1),
+                "generations": sum(s.firsts for s in seconds),
+                "window_s": round(span, 1),
+            }
+        return out

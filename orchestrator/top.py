@@ -1,0 +1,187 @@
+"""`trtllm-orch top`: the running daemon at a glance, refreshed twice a second.
+
+Everything shown comes from `status` over the control socket (the daemon computes
+the last minute's TTFT and tokens/s itself, orchestrator/proxy/recent.py); this
+module only renders. `render()` is pure (status dict in, rich renderable out) and
+unit-tested; `run()` is the terminal part: rich's Live on the alternate screen,
+keys read in cbreak mode through the event loop (never a blocking read), the
+terminal restored on every way out. When stdout is not a terminal it prints one
+table and returns, like `status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .control import call
+from .errors import EXIT_OK, DaemonNotRunning, OrchError
+
+REFRESH_S = 0.5
+_STATE_STYLE = {"READY": "bold green", "UNHEALTHY": "bold yellow", "STARTING": "cyan",
+                "BACKOFF": "yellow", "STOPPING": "magenta", "FAILED": "bold red", "STOPPED": "dim"}
+COLUMNS = ("ID", "STATE", "REASON", "GPUS", "UPTIME", "RESTARTS", "INFLIGHT", "WAITING", "ACTIVE",
+           "KV", "REUSE/m", "TTFT p50", "TTFT p99", "TOK/s", "GPU MEM", "GPU UTIL")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _num(value: Any, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _gpu_cells(gpus: list[dict[str, Any]]) -> tuple[str, str]:
+    if not gpus:
+        return "-", "-"
+    used = sum(g.get("memory_used_mib", 0) for g in gpus) / 1024
+    total = sum(g.get("memory_total_mib", 0) for g in gpus) / 1024
+    util = sum(g.get("utilization_pct", 0) for g in gpus) / len(gpus)
+    return f"{used:.1f}/{total:.0f}G", f"{util:.0f}%"
+
+
+def instance_row(inst: dict[str, Any]) -> list[Text | str]:
+    state = inst["state"]
+    engine = inst.get("engine") or {}
+    llm = inst.get("llm") or {}
+    reason = "" if state == "READY" and not inst.get("last_failure") else (inst.get("reason") or "")
+    if state == "READY" and inst.get("last_failure"):
+        reason = f"last failure: {inst['last_failure']}"
+    active = f"{engine['active']}/{engine['max_active']}" if engine else "-"
+    kv = f"{engine['kv_fraction'] * 100:.0f}%" if engine else "-"
+    mem, util = _gpu_cells(inst.get("gpu") or [])
+    return [inst["id"], Text(state, style=_STATE_STYLE.get(state, "")), reason,
+            ",".join(map(str, inst["gpus"])), _duration(inst.get("uptime_s")), str(inst.get("restarts", 0)),
+            str(inst.get("inflight", 0)), _num(engine.get("waiting")), active, kv,
+            _num(engine.get("kv_reused_last_minute")), _num(llm.get("ttft_p50_ms"), "{:.1f}ms"),
+            _num(llm.get("ttft_p99_ms"), "{:.1f}ms"), _num(llm.get("tokens_per_s"), "{:.1f}"), mem, util]
+
+
+def header(status: dict[str, Any], error: str = "") -> Text:
+    d = status["daemon"]
+    endpoint = d.get("listen") or "(no load balancer)"
+    if d.get("grpc_listen"):
+        endpoint += f"  grpc {d['grpc_listen']}"
+    text = Text()
+    text.append("trtllm-orch top", style="bold")
+    text.append(f"  endpoint {endpoint}  proxy {d.get('proxy', '?')}  policy {d.get('lb_policy', '?')}\n")
+    ready, total = status.get("ready", 0), status.get("total", 0)
+    text.append(f"ready {ready}/{total}", style="green" if ready == total and total else "yellow")
+    text.append(f"  tokens/s {d.get('tokens_per_s', 0):.1f}  held {d.get('held', 0)}"
+                f"  daemon pid {d.get('pid')} up {_duration(d.get('uptime_s'))}")
+    if d.get("rolling_restart"):
+        text.append("  rolling restart", style="magenta")
+    if d.get("stopping"):
+        text.append("  stopping", style="bold red")
+    if error:
+        text.append(f"\n{error}", style="bold red")
+    return text
+
+
+def render(status: dict[str, Any], error: str = "", footer: str = "") -> Group:
+    table = Table(box=None, header_style="bold reverse", pad_edge=False, expand=False)
+    for name in COLUMNS:
+        table.add_column(name, no_wrap=True, overflow="ellipsis",
+                         max_width=40 if name == "REASON" else None,
+                         justify="right" if name not in ("ID", "STATE", "REASON", "GPUS") else "left")
+    for inst in status.get("instances", []):
+        table.add_row(*instance_row(inst))
+    parts: list[Any] = [header(status, error), Text(""), table]
+    if footer:
+        parts += [Text(""), Text(footer, style="dim")]
+    return Group(*parts)
+
+
+# --- the terminal ---------------------------------------------------------------------
+def show_once(socket_path: Path, out=None) -> int:
+    """Not a terminal: one table, like `status`, wide enough not to wrap."""
+    _, status = asyncio.run(call(socket_path, "GET", "/status"))
+    width = int(os.environ.get("COLUMNS", "0") or 0) or 200
+    console = Console(file=out or sys.stdout, width=width, color_system=None, force_terminal=False)
+    console.print(render(status))
+    return EXIT_OK
+
+
+class _Keys:
+    """stdin in cbreak mode (keys without Enter, Ctrl-C still a signal), read by the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_quit) -> None:
+        self._loop = loop
+        self._on_quit = on_quit
+        self._fd = sys.stdin.fileno() if sys.stdin.isatty() else None
+        self._saved: Any = None
+
+    def __enter__(self) -> "_Keys":
+        if self._fd is not None:
+            import termios
+            import tty
+            self._saved = termios.tcgetattr(self._fd)
+            tty.setcbreak(self._fd)
+            self._loop.add_reader(self._fd, self._read)
+        return self
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self._fd, 64)  # readable now: does not block
+        except OSError:
+            data = b""
+        if not data or b"q" in data.lower():
+            self._on_quit()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fd is not None:
+            import termios
+            self._loop.remove_reader(self._fd)
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+
+
+async def _live(socket_path: Path, interval: float) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    _, status = await call(socket_path, "GET", "/status", timeout_s=5.0)  # no daemon: the usual error
+    footer = "q or Ctrl-C: quit"
+    console = Console()
+    try:
+        with _Keys(loop, stop.set), Live(render(status, footer=footer), console=console, screen=True,
+                                         auto_refresh=False, transient=True) as live:
+            while not stop.is_set():
+                error = ""
+                started = time.monotonic()
+                try:
+                    _, status = await call(socket_path, "GET", "/status", timeout_s=max(interval * 4, 2.0))
+                except (DaemonNotRunning, OrchError) as exc:
+                    error = f"daemon not answering: {exc}"
+                live.update(render(status, error, footer), refresh=True)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        loop.remove_signal_handler(signal.SIGTERM)
+    return EXIT_OK
+
+
+def run(socket_path: Path, once: bool = False, interval: float = REFRESH_S) -> int:
+    if once or not sys.stdout.isatty():
+        return show_once(socket_path)
+    return asyncio.run(_live(socket_path, interval))

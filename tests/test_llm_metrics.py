@@ -1,0 +1,166 @@
+"""LLM-level proxy metrics without a real engine: the last-minute recorder, the token
+clock, SSE event counting over any chunk split, the hold hook, and the embedded proxy
+against a fake SSE upstream (events, TTFT, inter-token gaps, routing decisions)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.config import Settings
+from orchestrator.proxy.backends import Backend, ReadyBackends
+from orchestrator.proxy.embedded import EmbeddedProxy
+from orchestrator.proxy.hold import HoldGate
+from orchestrator.proxy.metrics import ProxyMetrics, SseCounter
+from orchestrator.proxy.recent import RecentLLM, percentile
+
+pytestmark = pytest.mark.unit
+
+
+def samples(metrics: ProxyMetrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(metrics.render().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(metrics: ProxyMetrics, name: str, **labels) -> float:
+    return samples(metrics).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# --- the last minute ------------------------------------------------------------------
+
+def test_percentile_is_nearest_rank():
+    values = [float(i) for i in range(1, 101)]
+    assert percentile(values, 0.5) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile([7.0], 0.99) == 7.0
+
+
+def test_recent_window_rates_and_percentiles():
+    now = [1000.0]
+    rec = RecentLLM(window_s=60, clock=lambda: now[0])
+    for i in range(10):
+        rec.first_token("0", 0.010 * (i + 1), now[0] + i)
+        rec.events("0", 5, now[0] + i)
+    now[0] += 10
+    s = rec.summary()["0"]
+    assert s["generations"] == 10
+    assert s["ttft_p50_ms"] == 50.0 and s["ttft_p99_ms"] == 100.0
+    assert s["tokens_per_s"] == 5.0  # 50 events over the 10 s this instance has been seen
+    now[0] += 55  # the first 5 seconds fall out of the window
+    s = rec.summary()["0"]
+    assert s["generations"] == 5 and s["tokens_per_s"] == round(25 / 60, 1)
+    now[0] += 120
+    assert rec.summary() == {}  # idle for a whole window: forgotten
+
+
+# --- token clock and SSE ----------------------------------------------------------------
+
+def test_sse_counter_over_every_split():
+    stream = b"".join(b'data: {"text_output":"w%d"}\n\n' % i for i in range(7))
+    for cut in range(1, len(stream)):
+        counter = SseCounter()
+        assert counter.feed(stream[:cut]) + counter.feed(stream[cut:]) == 7, cut
+    counter = SseCounter()
+    assert sum(counter.feed(stream[i:i + 1]) for i in range(len(stream))) == 7
+
+
+def test_token_timer_first_token_then_gaps(monkeypatch):
+    clock = iter([100.0, 100.25, 100.30, 100.40])
+    monkeypatch.setattr("orchestrator.proxy.metrics.time.monotonic", lambda: next(clock))
+    m = ProxyMetrics()
+    timer = m.timer("generate_stream")  # started at 100.0
+    timer.events("1")  # 100.25: TTFT 0.25
+    timer.events("1", 2)  # 100.30: one gap of 0.05 and one of 0 (same read)
+    timer.events("1", 0)  # nothing arrived: no clock read, nothing recorded
+    labels = {"instance": "1", "api": "generate_stream"}
+    assert value(m, "trtllm_orch_proxy_time_to_first_token_seconds_count", **labels) == 1
+    assert value(m, "trtllm_orch_proxy_time_to_first_token_seconds_sum", **labels) == pytest.approx(0.25)
+    assert value(m, "trtllm_orch_proxy_inter_token_seconds_count", **labels) == 2
+    assert value(m, "trtllm_orch_proxy_inter_token_seconds_sum", **labels) == pytest.approx(0.05)
+    assert value(m, "trtllm_orch_proxy_output_events_total", **labels) == 3
+
+
+async def test_hold_hook_and_held_gauge():
+    m = ProxyMetrics()
+    backends = ReadyBackends()
+    gate = HoldGate(backends, hold_s=5.0, max_held=10, on_held=m.watch_held("http", lambda: gate.held))
+    gate.start()
+    waiter = asyncio.ensure_future(gate.ready())
+    await asyncio.sleep(0.05)
+    assert value(m, "trtllm_orch_proxy_held_requests", proxy="http") == 1 and m.held_now() == 1
+    backends.publish((Backend("0", "127.0.0.1", 1, 2, 3),))
+    assert await waiter
+    assert m.held_now() == 0
+    assert value(m, "trtllm_orch_proxy_hold_seconds_count", proxy="http", outcome="routed") == 1
+    gate.hold_s = 0.05
+    backends.publish(())
+    assert await gate.ready() == ()
+    assert value(m, "trtllm_orch_proxy_hold_seconds_count", proxy="http", outcome="timed_out") == 1
+    gate.close()
+
+
+# --- the embedded proxy against a fake SSE upstream -------------------------------------------
+
+async def _sse(request: web.BaseRequest) -> web.StreamResponse:
+    body = json.loads(await request.read())
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(body["max_tokens"]):
+        await asyncio.sleep(0.01)
+        await resp.write(b'data: {"text_output":" w%d"}\n\n' % i)
+    await resp.write_eof()
+    return resp
+
+
+async def _plain(request: web.BaseRequest) -> web.StreamResponse:
+    await request.read()
+    await asyncio.sleep(0.02)
+    return web.json_response({"text_output": "a b c"})
+
+
+async def test_embedded_proxy_records_llm_metrics():
+    app = web.Server(lambda r: _sse(r) if r.path.endswith("generate_stream") else _plain(r))
+    runner = web.ServerRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    backends = ReadyBackends()
+    backends.publish((Backend("0", "127.0.0.1", port, 0, 0),))
+    proxy = EmbeddedProxy(Settings(listen="127.0.0.1:0", metrics_listen="", grpc_listen=""), backends)
+    await proxy.start()
+    try:
+        base = f"http://127.0.0.1:{proxy.bound_port}/v2/models/ensemble"
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                async with session.post(f"{base}/generate_stream", json={"max_tokens": 4}) as resp:
+                    events = (await resp.read()).count(b"\n\n")
+                    assert events == 4
+                async with session.post(f"{base}/generate", json={"max_tokens": 4}) as resp:
+                    assert resp.status == 200
+            async with session.get(f"{base}/ready") as resp:  # metadata: no generation
+                await resp.read()
+    finally:
+        await proxy.stop(1.0)
+        await runner.cleanup()
+    m = proxy.metrics
+    stream = {"instance": "0", "api": "generate_stream"}
+    plain = {"instance": "0", "api": "generate"}
+    assert value(m, "trtllm_orch_proxy_output_events_total", **stream) == 12
+    assert value(m, "trtllm_orch_proxy_time_to_first_token_seconds_count", **stream) == 3
+    assert value(m, "trtllm_orch_proxy_inter_token_seconds_count", **stream) == 9
+    assert value(m, "trtllm_orch_proxy_output_events_total", **plain) == 3
+    assert value(m, "trtllm_orch_proxy_time_to_first_token_seconds_count", **plain) == 3
+    assert value(m, "trtllm_orch_proxy_time_to_first_token_seconds_sum", **plain) >= 3 * 0.02
+    # Every forwarded request was a routing decision, metadata included.
+    assert value(m, "trtllm_orch_proxy_routing_decisions_total", policy="least-outstanding",
+                 reason="least-outstanding", instance="0") == 7
+    recent = m.recent.summary()["0"]
+    assert recent["generations"] == 6 and recent["ttft_p50_ms"] is not None

@@ -1,0 +1,132 @@
+"""`top` and `up`'s load progress as renderers: status dicts and fake instances in, text out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import pytest
+from rich.console import Console
+
+from orchestrator.progress import LoadProgress, last_meaningful, meaningful, plain_line, rows
+from orchestrator.top import render
+
+pytestmark = pytest.mark.unit
+
+STATUS = {
+    "daemon": {"pid": 42, "uptime_s": 125.0, "listen": "0.0.0.0:8080", "grpc_listen": "0.0.0.0:8081",
+               "proxy": "embedded", "lb_policy": "kv-aware", "held": 3, "tokens_per_s": 123.4},
+    "ready": 1, "total": 2,
+    "instances": [
+        {"id": "0", "gpus": [0, 1], "state": "READY", "reason": "ready after 3.1s", "last_failure": "",
+         "restarts": 0, "uptime_s": 100.0, "inflight": 3,
+         "engine": {"active": 3, "max_active": 8, "waiting": 1, "kv_fraction": 0.42, "kv_reused_last_minute": 12},
+         "llm": {"ttft_p50_ms": 23.4, "ttft_p99_ms": 80.1, "tokens_per_s": 60.2},
+         "gpu": [{"index": 0, "memory_used_mib": 30720, "memory_total_mib": 81920, "utilization_pct": 50},
+                 {"index": 1, "memory_used_mib": 30720, "memory_total_mib": 81920, "utilization_pct": 70}]},
+        {"id": "1", "gpus": [2, 3], "state": "BACKOFF", "reason": "mpirun exited with code 137",
+         "last_failure": "mpirun exited with code 137", "restarts": 1, "uptime_s": None, "inflight": 0,
+         "engine": None, "llm": None, "gpu": []},
+    ],
+}
+
+
+def text_of(renderable, width: int = 200) -> str:
+    console = Console(width=width, record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_top_renders_header_and_one_row_per_instance():
+    out = text_of(render(STATUS, footer="q: quit"))
+    lines = out.splitlines()
+    assert "endpoint 0.0.0.0:8080" in lines[0] and "policy kv-aware" in lines[0]
+    assert "tokens/s 123.4" in lines[1] and "held 3" in lines[1] and "ready 1/2" in lines[1]
+    row0 = next(ln for ln in lines if ln.startswith("0 "))
+    for cell in ("READY", "0,1", "1m40s", "3/8", "42%", "23.4ms", "80.1ms", "60.2", "60.0/160G", "60%"):
+        assert cell in row0, (cell, row0)
+    row1 = next(ln for ln in lines if ln.startswith("1 "))
+    assert "BACKOFF" in row1 and "mpirun exited with code 137" in row1
+    assert "q: quit" in out
+
+
+def test_top_shows_a_daemon_that_stopped_answering():
+    out = text_of(render(STATUS, error="daemon not answering: gone"))
+    assert "daemon not answering: gone" in out
+
+
+# --- load progress ------------------------------------------------------------------------
+
+def test_meaningful_log_lines():
+    assert meaningful('[1,0]<stderr>: I1122 01:16:15.157670 26458 model_lifecycle.cc:472] '
+                      '"loading: tensorrt_llm:1"') == "rank 0: loading: tensorrt_llm:1"
+    assert meaningful("[1,1]<stderr>: +------------------+------+") == ""
+    assert meaningful("[1,1]<stderr>: | Model | Version |") == ""
+    assert meaningful('[1,0]<stderr>: I1122 01:16:15.806946 26459 server.cc:604] ') == ""
+    assert meaningful("[trtllm-orch] launch: mpirun ...") == ""
+    assert meaningful("[trtllm-orch] mpirun exited with code 1") == "[trtllm-orch] mpirun exited with code 1"
+    assert last_meaningful(["[1,0]<stdout>: Loading engine 3/8", "[1,0]<stdout>: ", "[1,0]<stdout>: +--+"]) \
+        == "rank 0: Loading engine 3/8"
+
+
+@dataclass
+class _State:
+    value: str
+
+
+@dataclass
+class _Plan:
+    gpus: tuple = (0,)
+
+
+@dataclass
+class FakeInstance:
+    id: str
+    state: _State
+    reason: str = ""
+    started_at: float | None = None
+    startup_s: float | None = None
+    lines: list = field(default_factory=list)
+    plan: _Plan = field(default_factory=_Plan)
+
+    def log_tail(self, n: int = 20) -> list[str]:
+        return self.lines[-n:]
+
+    def error_lines(self, n: int = 3) -> list[str]:
+        return self.lines[-n:]
+
+
+def test_progress_rows_per_state():
+    insts = {
+        "0": FakeInstance("0", _State("STARTING"), started_at=90.0, lines=["[1,0]<stdout>: loading shard 2"]),
+        "1": FakeInstance("1", _State("READY"), startup_s=12.34),
+        "2": FakeInstance("2", _State("FAILED"), reason="gave up after 3 failures",
+                          lines=["[1,0]<stderr>: E1122 01:00:00.1 1 model.py:1] boom"]),
+    }
+    got = {r[0]: r for r in rows(insts, now=100.0)}
+    assert got["0"][1:4] == ("STARTING", "10.0s", "rank 0: loading shard 2")
+    assert got["1"][3] == "ready in 12.3s"
+    assert got["2"][3] == "gave up after 3 failures" and got["2"][4] == ["rank 0: boom"]
+    assert "instance=0 loading for 10s: rank 0: loading shard 2" == plain_line(insts["0"], 100.0)
+    assert not LoadProgress.settled(insts)
+    insts["0"].state = _State("READY")
+    assert LoadProgress.settled(insts)
+    table = text_of(LoadProgress(terminal=True).render(insts))
+    assert "loading engines" in table and "ready in 12.3s" in table and "log: rank 0: boom" in table
+
+
+async def test_plain_progress_logs_while_loading_and_stops_when_settled(monkeypatch, caplog):
+    import orchestrator.progress as progress
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.05)
+    loop = asyncio.get_running_loop()
+    inst = FakeInstance("0", _State("STARTING"), started_at=loop.time() - 5,
+                        lines=["[1,0]<stdout>: loading weights"])
+    shower = LoadProgress(terminal=False)
+    caplog.set_level(logging.INFO, logger="trtllm-orch")
+    task = asyncio.ensure_future(shower._run_plain({"0": inst}))
+    await asyncio.sleep(0.2)
+    assert any("instance=0 loading for" in r.message and "loading weights" in r.message for r in caplog.records)
+    inst.state = _State("READY")
+    shower.changed(inst)
+    await asyncio.wait_for(task, 1.0)  # settled: the plain renderer ends
