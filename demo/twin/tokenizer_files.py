@@ -47,9 +47,16 @@ def tokenizer_json():
     }
 
 
+# A Zephyr-style chat template, so the OpenAI API's /v1/chat/completions has one to render
+# (it reads chat_template from tokenizer_config.json, as Hugging Face's tokenizers do).
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+                 "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def tokenizer_config():
     return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-            "pad_token": "<pad>", "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
+            "pad_token": "<pad>", "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE}
 
 
 def files():
