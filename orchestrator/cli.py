@@ -111,6 +111,7 @@ class Prepared:
     commands: dict[str, Any]
     gpus_from_nvml: bool
     notes: tuple[str, ...] = ()  # what placement or pinning could not do here, for `plan`
+    launcher: Any = None  # ("slurm", job id, nodes) when groups run as Slurm job steps; None: local mpirun
 
 
 def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
@@ -120,7 +121,11 @@ def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
     from .launcher.mpi import MpiFlavour, detect_flavour
     from .plan import make_plan
     from .topology import host_topology, load_topology
+    from .launcher.slurm_alloc import resolve_launcher
 
+    if resolve_launcher(settings.launcher, os.environ) == "slurm":
+        from .launcher.slurm_prepare import prepare_slurm
+        return prepare_slurm(settings, for_launch=for_launch, prepare_local=prepare)
     recorded = load_topology(settings.topology) if settings.topology else None
     gpus = inventory(settings.assume_gpus, recorded)
     ids = parse_gpu_spec(settings.gpus, tuple(g.index for g in gpus))
@@ -135,7 +140,11 @@ def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
                      for n, v in (("listen", settings.listen), ("grpc_listen", settings.grpc_listen),
                                   ("metrics_listen", settings.metrics_listen))
                      if v and settings.proxy != "none")
-    plan = make_plan(ids, settings.tp, settings.base_port, settings.bind_address, reserved,
+    bind = settings.bind_address
+    if settings.bind_interface:
+        from .launcher.ports import interface_address
+        bind = interface_address(settings.bind_interface)
+    plan = make_plan(ids, settings.tp, settings.base_port, bind, reserved,
                      topology=topology, placement=settings.placement, affinity=affinity)
     if for_launch:
         if not settings.model_repo:
@@ -188,7 +197,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for inst in prepared.plan.instances:
         p = inst.ports
         link = f", {inst.link_text}" if inst.link_text else ""
-        print(f"instance {inst.instance_id}: GPUs {inst.cuda_visible_devices} (TP{inst.tp}{link})  "
+        where = f"{','.join(inst.nodes)} " if inst.nodes else ""
+        print(f"instance {inst.instance_id}: {where}GPUs {inst.cuda_visible_devices} (TP{inst.tp}{link})  "
               f"http {inst.bind_address}:{p.http}  grpc {p.grpc}  metrics {p.metrics}")
         for rank, aff in enumerate(inst.affinity):
             where = f"CPUs {aff.cpu_list}" + (f", memory node {aff.mem_list}" if aff.mems else "") \
@@ -207,13 +217,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_listen_ports(settings: cfg.Settings, plan, sd) -> None:
+def _check_listen_ports(settings: cfg.Settings, plan, sd, instances: bool = True) -> None:
     from .launcher.ports import taken_ports
     from .reaper import leftover_processes
     # A SIGKILLed predecessor may still hold our ports: those are not strangers. Only the
     # daemon sweeps them, under its lock, so a racing `up` can never lose its processes.
     ours = frozenset(p.pid for p in leftover_processes(sd)) if sd.root.exists() else frozenset()
-    for inst in plan.instances:
+    for inst in plan.instances if instances else ():  # under Slurm they are other hosts' ports
         busy = taken_ports(inst.bind_address, inst.ports.all(), ours)
         if busy:
             raise UsageError("--base-port", settings.base_port,
@@ -246,7 +256,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if holder:
         raise OrchError(f"a daemon (pid {holder}) already runs with state dir {sd.root}; "
                         "`trtllm-orch down` stops it")
-    _check_listen_ports(settings, prepared.plan, sd)
+    _check_listen_ports(settings, prepared.plan, sd, instances=prepared.launcher is None)
     if settings.detach:
         from .detach import run_detached
         return run_detached(sys.argv[1:], settings, sd)
@@ -261,10 +271,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         new = prepare(_settings_from(args), for_launch=True)
         return Launchable(new.settings, new.build_command)
 
+    launcher = None
+    if prepared.launcher is not None:
+        from .launcher.slurm import SlurmLauncher
+        _, job_id, nodes = prepared.launcher
+        launcher = SlurmLauncher(job_id, nodes, sd.root, lambda: daemon.settings.slurm_poll_s)
     from .progress import LoadProgress
     daemon = Daemon(settings, prepared.plan, prepared.build_command, sd,
                     gpu_holders=gpu_holders, gpu_usage=gpu_usage, reload_config=reload_config,
-                    progress=LoadProgress())
+                    launcher=launcher, progress=LoadProgress())
     try:
         return asyncio.run(daemon.run())
     except KeyboardInterrupt:
@@ -299,6 +314,8 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{inst['ports']['http']:<7}{inst['ports']['grpc']:<7}{inst['ports']['metrics']:<9}"
                      f"{up:<9}{inst['restarts']:<10}{inst.get('inflight', 0):<10}"
                      f"{' '.join(map(str, inst['pids']))}")
+        if inst.get("nodes"):
+            lines.append(f"      on {','.join(inst['nodes'])} ({inst.get('bind_address', '')})")
         for gpu in inst.get("gpu", []):
             lines.append(f"      gpu {gpu['index']}: {gpu['memory_used_mib']}/{gpu['memory_total_mib']} MiB, "
                          f"{gpu['utilization_pct']}% busy")
@@ -334,14 +351,21 @@ def cmd_down(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         if sd.lock_holder():
             raise OrchError(f"the daemon (pid {daemon_pid}) did not stop within {args.timeout_s:g}s")
-    left = asyncio.run(sweep_leftovers(sd, OsOps(), 10.0))
+    from .launcher.slurm import sweep_steps
+    steps, stuck = asyncio.run(sweep_steps(sd.root))  # a Slurm run's steps, found by name
+    if steps:
+        print(f"cancelled {len(steps)} Slurm job step(s) left by a killed daemon: {' '.join(steps)}")
+    left = asyncio.run(sweep_leftovers(sd, OsOps(), 10.0, slurm_steps=False))
     if left:
         print(f"stopped {len(left)} process(es) left by a killed daemon: {' '.join(map(str, left))}")
     remaining = leftover_processes(sd)
     if remaining:
         raise OrchError(f"processes still running after down: {[p.pid for p in remaining]}")
+    if stuck:
+        raise OrchError(f"Slurm still lists job step(s) {' '.join(stuck)} of this run: their nodes do not "
+                        "answer; run `trtllm-orch down` again once Slurm has ended them")
     sd.clear_state()
-    if not daemon_pid and not left:
+    if not daemon_pid and not left and not steps:
         print(f"nothing was running (state dir {sd.root})")
     else:
         print("down: everything stopped")

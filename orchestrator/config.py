@@ -28,6 +28,8 @@ PROXY_MODES = ("embedded", "nginx", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PLACEMENTS = ("topology", "ordered")
 CPU_AFFINITY = ("auto", "off")
+LAUNCHERS = ("auto", "local", "slurm")
+SLURM_MPI = ("auto", "mpirun", "pmix")
 
 
 def opt(default: Any, help: str, *, group: str = "launch", short: str | None = None,
@@ -65,6 +67,16 @@ class Settings:
                          "(http, grpc, metrics)", metavar="PORT")
     bind_address: str = opt("127.0.0.1", "address instance ports bind to; keep loopback so only "
                             "the load balancer is public", metavar="ADDR")
+    bind_interface: str = opt("", "bind instance ports to this interface's IPv4 address instead (under "
+                              "Slurm: on each node, e.g. the cluster network ib0)", metavar="IFACE")
+    launcher: str = opt("auto", "where groups run: local (mpirun on this host), slurm (one job step per "
+                        "group across the allocation's nodes), auto (slurm when SLURM_JOB_ID is set)")
+    slurm_mpi: str = opt("auto", "under Slurm: mpirun (inside a one-node step), pmix (srun --mpi=pmix "
+                         "starts every rank), auto (mpirun; pmix for a group across nodes)")
+    srun_arg: tuple[str, ...] = opt((), "extra argument for every group's srun (repeat; e.g. "
+                                    "--srun-arg=--container-image=IMAGE)", repeat=True, metavar="ARG")
+    slurm_poll_s: float = opt(5.0, "under Slurm: how often node states are read (sinfo, scontrol)",
+                              group="health", metavar="S")
     tritonserver_arg: tuple[str, ...] = opt((), "extra argument passed to every tritonserver rank "
                                             "(repeat; e.g. --tritonserver-arg=--log-verbose=1)",
                                             repeat=True, metavar="ARG")
@@ -169,16 +181,22 @@ class Settings:
                      "canary_deadline_s", "connect_timeout_s", "idle_timeout_s", "max_body_bytes",
                      "probe_failures", "max_attempts", "max_failures", "failure_window_s",
                      "outlier_failures", "log_max_bytes", "client_header_timeout_s",
-                     "client_body_timeout_s", "max_client_connections"):
+                     "client_body_timeout_s", "max_client_connections", "slurm_poll_s"):
             positive(name)
         for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
                      "stable_after_s", "ready_min", "log_backups", "engine_poll_s", "stall_after_s",
                      "hold_s", "max_held", "first_byte_timeout_s"):
             positive(name, allow_zero=True)
+        if self.bind_interface:
+            if self.bind_address != "127.0.0.1":
+                raise UsageError("--bind-interface", self.bind_interface, "use either it or --bind-address")
+            if len(self.bind_interface) > 15 or not all(c.isalnum() or c in "._-@:" for c in self.bind_interface):
+                raise UsageError("--bind-interface", self.bind_interface, "not an interface name")
         if self.topology and self.assume_gpus is not None:
             raise UsageError("--topology", self.topology, "use either it or --assume-gpus: both declare the GPUs")
         for name, allowed in (("proxy", PROXY_MODES), ("lb_policy", LB_POLICIES), ("log_level", LOG_LEVELS),
-                              ("placement", PLACEMENTS), ("cpu_affinity", CPU_AFFINITY)):
+                              ("placement", PLACEMENTS), ("cpu_affinity", CPU_AFFINITY),
+                              ("launcher", LAUNCHERS), ("slurm_mpi", SLURM_MPI)):
             if getattr(self, name) not in allowed:
                 raise UsageError(flag(name), getattr(self, name), "must be one of " + ", ".join(allowed))
         for name in ("listen", "grpc_listen", "metrics_listen"):
@@ -227,9 +245,10 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # What a reload (`trtllm-orch reload`, SIGHUP, `systemctl reload`) does with a changed field.
 # Refused, with nothing changed: the GPU plan, the ports and sockets, the process layout.
 NEEDS_DOWN_UP = ("gpus", "tp", "assume_gpus", "placement", "cpu_affinity", "topology", "base_port",
-                 "bind_address", "state_dir", "proxy", "listen", "grpc_listen", "metrics_listen", "nginx", "detach")
+                 "bind_address", "bind_interface", "launcher", "state_dir", "proxy", "listen", "grpc_listen", "metrics_listen", "nginx", "detach")
 # Part of the launch command: each instance takes them when the rolling restart relaunches it.
-APPLIED_AT_RELAUNCH = ("model_repo", "tensorrt_llm_model", "mpirun", "tritonserver", "tritonserver_arg")
+APPLIED_AT_RELAUNCH = ("model_repo", "tensorrt_llm_model", "mpirun", "tritonserver", "tritonserver_arg",
+                       "slurm_mpi", "srun_arg")
 # Every other field (health, backoff, canary, proxy policy knobs, log level) applies at once.
 
 

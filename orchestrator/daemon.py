@@ -53,7 +53,8 @@ class Daemon:
                  state_dir: StateDir, *, ops: OsOps | None = None,
                  gpu_holders: Callable[[tuple[int, ...]], set[int]] | None = None,
                  gpu_usage: Callable[[tuple[int, ...]], dict[int, dict]] | None = None,
-                 reload_config: Callable[[], Launchable] | None = None, progress: Any = None):
+                 reload_config: Callable[[], Launchable] | None = None, launcher: Any = None,
+                 progress: Any = None):
         self.settings = settings
         self.plan = plan
         self.state_dir = state_dir
@@ -63,6 +64,8 @@ class Daemon:
         self._gpu_usage = gpu_usage
         # Blocking (it runs `mpirun --version` and may ask NVML): called in a worker thread.
         self._reload_config = reload_config
+        # launcher.slurm.SlurmLauncher when groups run as Slurm job steps; None: local mpirun.
+        self._launcher = launcher
         self.backends = ReadyBackends()
         self.instances: dict[str, Instance] = {}
         self.proxies: list[Any] = []
@@ -99,6 +102,9 @@ class Daemon:
         root = str(self.state_dir.root)
 
         def make_group(plan, log_file, on_trouble) -> ProcessGroup:
+            if self._launcher is not None:
+                return self._launcher.make_group(plan, self._ops, log_file, on_trouble,
+                                                 lambda iid=plan.instance_id: self._node_back(iid))
             return ProcessGroup(plan, root, self._ops, watcher, self._gpu_holders, log_file, on_trouble)
 
         return Shared(self.settings, self.state_dir, self._build_command, make_group,
@@ -119,6 +125,8 @@ class Daemon:
         background = [loop.create_task(self._watchdog_loop(), name="watchdog"),
                       loop.create_task(self._state_writer.run(), name="state-writer"),
                       loop.create_task(self.loop_monitor.run(), name="loop-monitor")]
+        if self._launcher is not None:  # Slurm: records the run's step names, watches the nodes
+            background.append(loop.create_task(self._launcher.run(), name="slurm-nodes"))
         if self._progress is not None:
             background.append(loop.create_task(self._progress.run(self.instances), name="load-progress"))
         supervisors: dict[str, asyncio.Task] = {}
@@ -306,6 +314,12 @@ class Daemon:
         except Exception as exc:  # NVML trouble must not break `status`
             log.debug("gpu usage: %s", exc)
             return {}
+
+    def _node_back(self, instance_id: str) -> None:
+        # Slurm returned the node of an instance that failed with it: serve there again.
+        inst = self.instances.get(instance_id)
+        if inst is not None and inst.state == State.FAILED:
+            inst.request_restart()
 
     def restart_instance(self, instance_id: str) -> str | None:
         """Restart one instance (also out of FAILED); an error message if there is no such one."""

@@ -129,6 +129,7 @@ class Instance:
             "ports": {"http": self.plan.ports.http, "grpc": self.plan.ports.grpc,
                       "metrics": self.plan.ports.metrics},
             "bind_address": self.plan.bind_address,
+            "nodes": list(self.plan.nodes),
             "mpirun_pid": self.group.mpirun_pid,
             "pids": self.group.pids,
             "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.serving else None,
@@ -260,6 +261,13 @@ class Instance:
             self.policy.reset()
             self.restarts += 1
             return "restart requested"
+        # A launcher that knows the group cannot run now (Slurm: its node is down) says so:
+        # no retries against a dead node; the launcher asks for a restart when it is back.
+        unavailable = getattr(self.group, "unavailable", None)
+        if unavailable:
+            self._move(State.FAILED, unavailable if unavailable in (failure or "")
+                       else f"{unavailable}; last: {failure}")  # STOPPING -> FAILED
+            return None
         decision = self.policy.record_failure()
         if decision.give_up:
             tail = " | ".join(self.error_lines(3))

@@ -33,6 +33,9 @@ class InstancePlan:
     sockets: tuple[int, ...] = ()  # CPU sockets its GPUs hang off
     crosses_sockets: bool = False  # its GPUs hang off more than one socket (warnings() says when it matters)
     affinity: tuple[RankAffinity, ...] = ()  # per rank; () leaves ranks floating over all CPUs
+    # Under Slurm: the node(s) it runs on, each with the same `gpus_per_node` GPUs (a group
+    # larger than a node takes whole nodes). () for the local launcher: this host.
+    nodes: tuple[str, ...] = ()
 
     @property
     def tp(self) -> int:
@@ -40,7 +43,12 @@ class InstancePlan:
 
     @property
     def cuda_visible_devices(self) -> str:
-        return ",".join(map(str, self.gpus))
+        # Per node: a group across N nodes lists each node's GPUs once per node.
+        return ",".join(map(str, self.gpus[:self.gpus_per_node]))
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.gpus) // max(1, len(self.nodes))
 
     def warnings(self) -> tuple[str, ...]:
         # Only when the GPU traffic itself crosses sockets: an NVLink/NVSwitch group spanning
@@ -83,16 +91,8 @@ def make_plan(gpus: tuple[int, ...], tp: int, base_port: int, bind_address: str,
         groups = tuple(tuple(gpus[i:i + tp]) for i in range(0, len(gpus), tp))
     affinity = affinity or {}
     instances = []
-    port = base_port
-    for index in range(len(gpus) // tp):
-        picked: list[int] = []
-        while len(picked) < PORTS_PER_INSTANCE:
-            if port > 65535:
-                raise UsageError("--base-port", base_port, f"not enough ports above it for "
-                                 f"{len(gpus) // tp} instance(s)")
-            if port not in reserved_ports:
-                picked.append(port)
-            port += 1
+    ports = instance_ports(len(gpus) // tp, base_port, reserved_ports)
+    for index, picked in enumerate(ports):
         group = groups[index]
         facts: dict = {}
         if topology is not None:
@@ -100,5 +100,21 @@ def make_plan(gpus: tuple[int, ...], tp: int, base_port: int, bind_address: str,
                          sockets=group_sockets(topology, group), crosses_sockets=crosses_sockets(topology, group))
         # A rank whose GPU has no entry gets an empty one (it floats); ranks keep their index.
         pinned = tuple(affinity.get(g, RankAffinity(g, ())) for g in group) if set(group) & set(affinity) else ()
-        instances.append(InstancePlan(str(index), group, Ports(*picked), bind_address, **facts, affinity=pinned))
+        instances.append(InstancePlan(str(index), group, picked, bind_address, **facts, affinity=pinned))
     return Plan(tuple(instances), placement)
+
+
+def instance_ports(count: int, base_port: int, reserved_ports: tuple[int, ...] = ()) -> list[Ports]:
+    """Instance i gets base+3i .. base+3i+2, skipping the load balancer's own ports."""
+    out = []
+    port = base_port
+    for _ in range(count):
+        picked: list[int] = []
+        while len(picked) < PORTS_PER_INSTANCE:
+            if port > 65535:
+                raise UsageError("--base-port", base_port, f"not enough ports above it for {count} instance(s)")
+            if port not in reserved_ports:
+                picked.append(port)
+            port += 1
+        out.append(Ports(*picked))
+    return out

@@ -7,7 +7,8 @@ launcher; Python-backend stubs exit when their tritonserver is gone. Whatever
 still survives (a wedged process, a host without setpriv) is found here by the
 next `up` or by `down`: by the pids in state.json, checked against their start
 times so a recycled pid is never killed, and by the environment tag every
-process of the run carries.
+process of the run carries. Under Slurm the ranks are on other nodes: their job
+steps are found by name (launcher/slurm.py) and cancelled through Slurm.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import psutil
 
 from .launcher.process_tree import OsOps, alive, same_process, stop_processes, tagged_processes
+from .launcher.slurm import sweep_steps
 from .statedir import StateDir
 
 log = logging.getLogger("trtllm-orch")
@@ -58,7 +60,10 @@ def _looks_like_nginx(proc: psutil.Process, sd: StateDir) -> bool:
         return False
 
 
-async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float) -> list[int]:
+async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float, slurm_steps: bool = True) -> list[int]:
+    # Job steps on other nodes first (a Slurm run, found by name): nothing local reaches them.
+    if slurm_steps:
+        await sweep_steps(sd.root)
     procs = await asyncio.to_thread(leftover_processes, sd)
     pids = [p.pid for p in procs]
     if procs:

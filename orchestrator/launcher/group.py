@@ -90,6 +90,10 @@ class ProcessGroup:
         busy = await asyncio.to_thread(self._ops.taken_ports, self.plan.bind_address, self.plan.ports.all())
         if busy:
             raise LaunchFailed(f"port(s) {', '.join(busy)} already in use")
+        await self._spawn(cmd)
+
+    async def _spawn(self, cmd: LaunchCommand) -> None:
+        """Start the local process of the job (mpirun; srun for launcher.slurm.SlurmGroup)."""
         self.log.note("launch: " + cmd.shell_text())
         env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
         env.update(cmd.env)
@@ -109,7 +113,10 @@ class ProcessGroup:
     async def _watch_mpirun(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         if not self._stopping:
-            self._on_trouble(f"mpirun (pid {proc.pid}) exited with code {code}")
+            self._on_trouble(self._exit_reason(proc.pid, code))
+
+    def _exit_reason(self, pid: int, code: int) -> str:
+        return f"mpirun (pid {pid}) exited with code {code}"
 
     async def watch_all(self) -> None:
         """Event-driven exit detection for every rank, daemon and stub of the running job."""

@@ -69,3 +69,17 @@ def listening_pids(ports: tuple[int, ...]) -> set[int] | None:
                 return None
             pids.add(conn.pid)
     return pids
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of a local interface (`--bind-interface`); UsageError if it has none."""
+    import socket
+
+    from ..errors import UsageError
+    addrs = psutil.net_if_addrs()
+    if name not in addrs:
+        raise UsageError("--bind-interface", name, "no such interface here (" + ", ".join(sorted(addrs)) + ")")
+    for addr in addrs[name]:
+        if addr.family == socket.AF_INET:
+            return addr.address
+    raise UsageError("--bind-interface", name, "has no IPv4 address")
