@@ -411,7 +411,8 @@ class GrpcProxy:
 
 
 def _queue_full(err: grpc.aio.AioRpcError) -> bool:
-    return err.code() is grpc.StatusCode.INTERNAL and QUEUE_FULL_TEXT.decode() in (err.details() or "")
+    # INTERNAL from the model itself; through an ensemble Triton may report another code.
+    return QUEUE_FULL_TEXT.decode() in (err.details() or "")
 
 
 def _retry_cause(err: grpc.aio.AioRpcError) -> str:
