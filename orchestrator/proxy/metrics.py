@@ -213,3 +213,47 @@ class SseCounter:
             n += 1
         self._newline = chunk.endswith(b"\n") and not chunk.endswith(b"\n\n")
         return n
+
+
+class NginxMetrics:
+    """What only `--proxy nginx` has: its managed master's health (in ProxyMetrics' registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.up = Gauge("trtllm_orch_proxy_nginx_up", "1 while the managed nginx master runs", registry=registry)
+        self.restarts = Counter("trtllm_orch_proxy_nginx_restarts",
+                                "Masters started after the managed nginx master died", registry=registry)
+
+
+class MetricsServer:
+    """GET /metrics on its own listener, for a proxy whose traffic is not served by aiohttp (nginx)."""
+
+    def __init__(self, metrics: ProxyMetrics, address: str, flag: str = "--metrics-listen") -> None:
+        self._metrics = metrics
+        self._address = address
+        self._flag = flag
+        self._runner: web.ServerRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        host, port = parse_host_port(self._address, self._flag)
+        runner = web.ServerRunner(web.Server(self._handle, access_log=None), handle_signals=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OrchError(f"{self._flag}={self._address!r}: cannot listen: {exc.strerror or exc}") from None
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path != "/metrics":
+            return web.json_response({"error": "not found"}, status=404)
+        if request.method != "GET":
+            return web.json_response({"error": "method not allowed"}, status=405, headers={"Allow": "GET"})
+        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
