@@ -28,6 +28,7 @@ PROXY_MODES = ("embedded", "nginx", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PLACEMENTS = ("topology", "ordered")
 CPU_AFFINITY = ("auto", "off")
+OPENAI_MODES = ("on", "off")
 LAUNCHERS = ("auto", "local", "slurm")
 SLURM_MPI = ("auto", "mpirun", "pmix")
 
@@ -128,6 +129,26 @@ class Settings:
                             "logging, config, stats) through the proxy", group="proxy")
     nginx: str = opt("nginx", "nginx binary for --proxy nginx", group="proxy", metavar="PATH")
 
+    # --- OpenAI-compatible API (orchestrator/proxy/openai_frontend.py) ------------------
+    openai: str = opt("on", "OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) "
+                      "on --listen: " + ", ".join(OPENAI_MODES), group="openai")
+    openai_model: str = opt("", "Triton model the OpenAI API calls: the ensemble or tensorrt_llm_bls "
+                            "(default: --served-model)", group="openai", metavar="NAME")
+    openai_model_name: str = opt("", "model id that /v1/models shows and requests name "
+                                 "(default: the --openai-model name)", group="openai", metavar="ID")
+    chat_template: str = opt("", "jinja2 chat template for /v1/chat/completions (default: chat_template "
+                             "of the tokenizer that the repository's preprocessing names)",
+                             group="openai", metavar="FILE")
+    tokenizer_dir: str = opt("", "tokenizer directory for the chat template and token counts (default: "
+                             "the tokenizer_dir parameter of the repository's preprocessing config)",
+                             group="openai", metavar="DIR")
+    openai_max_tokens: int = opt(4096, "max_tokens of a chat completion that sets none "
+                                 "(/v1/completions: OpenAI's default, 16)", group="openai", metavar="N")
+    openai_listen: str = opt("", "the daemon's own OpenAI listener, for a proxy that cannot translate: "
+                             "--proxy nginx forwards /v1/ to it (default: loopback, a free port); "
+                             "--proxy none runs it only when set (point a system NGINX's /v1/ at it)",
+                             group="openai", metavar="HOST:PORT")
+
     # --- health -----------------------------------------------------------------
     probe_interval_s: float = opt(2.0, "active health probe period", group="health", metavar="S")
     probe_timeout_s: float = opt(1.0, "active health probe timeout", group="health", metavar="S")
@@ -181,7 +202,7 @@ class Settings:
                      "canary_deadline_s", "connect_timeout_s", "idle_timeout_s", "max_body_bytes",
                      "probe_failures", "max_attempts", "max_failures", "failure_window_s",
                      "outlier_failures", "log_max_bytes", "client_header_timeout_s",
-                     "client_body_timeout_s", "max_client_connections", "slurm_poll_s"):
+                     "client_body_timeout_s", "max_client_connections", "slurm_poll_s", "openai_max_tokens"):
             positive(name)
         for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
                      "stable_after_s", "ready_min", "log_backups", "engine_poll_s", "stall_after_s",
@@ -196,10 +217,10 @@ class Settings:
             raise UsageError("--topology", self.topology, "use either it or --assume-gpus: both declare the GPUs")
         for name, allowed in (("proxy", PROXY_MODES), ("lb_policy", LB_POLICIES), ("log_level", LOG_LEVELS),
                               ("placement", PLACEMENTS), ("cpu_affinity", CPU_AFFINITY),
-                              ("launcher", LAUNCHERS), ("slurm_mpi", SLURM_MPI)):
+                              ("launcher", LAUNCHERS), ("slurm_mpi", SLURM_MPI), ("openai", OPENAI_MODES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(flag(name), getattr(self, name), "must be one of " + ", ".join(allowed))
-        for name in ("listen", "grpc_listen", "metrics_listen"):
+        for name in ("listen", "grpc_listen", "metrics_listen", "openai_listen"):
             value = getattr(self, name)
             if value or name == "listen":
                 parse_host_port(value, flag(name))
@@ -245,11 +266,15 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # What a reload (`trtllm-orch reload`, SIGHUP, `systemctl reload`) does with a changed field.
 # Refused, with nothing changed: the GPU plan, the ports and sockets, the process layout.
 NEEDS_DOWN_UP = ("gpus", "tp", "assume_gpus", "placement", "cpu_affinity", "topology", "base_port",
-                 "bind_address", "bind_interface", "launcher", "state_dir", "proxy", "listen", "grpc_listen", "metrics_listen", "nginx", "detach")
+                 "bind_address", "bind_interface", "launcher", "state_dir", "proxy", "listen", "grpc_listen",
+                 "metrics_listen", "nginx", "detach",
+                 # whether /v1/ exists and where the daemon's OpenAI listener is: the proxies' layout
+                 "openai", "openai_listen")
 # Part of the launch command: each instance takes them when the rolling restart relaunches it.
 APPLIED_AT_RELAUNCH = ("model_repo", "tensorrt_llm_model", "mpirun", "tritonserver", "tritonserver_arg",
                        "slurm_mpi", "srun_arg")
-# Every other field (health, backoff, canary, proxy policy knobs, log level) applies at once.
+# Every other field (health, backoff, canary, proxy policy knobs, log level, the OpenAI model,
+# name, template and tokenizer: re-read by the proxies at once) applies at once.
 
 
 def reload_changes(old: Settings, new: Settings) -> list[str]:

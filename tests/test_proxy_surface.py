@@ -63,7 +63,7 @@ def test_admin(method, path):
 
 
 @pytest.mark.parametrize("path", [
-    "/", "/metrics", "/v1/models/m/infer", "/v2/models", "/v2/health", "/v2/health/other",
+    "/", "/metrics", "/v3/models/m/infer", "/v2/models", "/v2/health", "/v2/health/other",
     "/v2/models/m/versions", "/v2/models/m/versions/abc/infer", "/v2/models/m/versions/١/infer",
     "/v2/models/m/unknown", "/v2/models/m/infer/extra", "/V2/models/m/infer", "/v2/trace",
     "/v2/foo",

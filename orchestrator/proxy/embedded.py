@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -49,7 +49,10 @@ from .llm_policies import RouteHints
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
 from .prompt import prompt_of_json
-from .surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, PUBLIC, READY, Surface
+from .surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY, Surface
+
+if TYPE_CHECKING:  # imported at run time only when the OpenAI API is on
+    from .openai_frontend import NativeCall
 
 # Responses with a Content-Length up to this size are read whole and sent in one
 # write (fewer syscalls, and a drop mid-body becomes a clean 502 instead of a
@@ -119,7 +122,8 @@ SAME_INSTANCE_RETRY_DELAY_S = 0.1
 
 class EmbeddedProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends,
-                 logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None) -> None:
+                 logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None,
+                 openai_only: bool = False) -> None:
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.proxy")
@@ -134,6 +138,15 @@ class EmbeddedProxy:
         self._hold = HoldGate(backends, settings.hold_s, settings.max_held,
                               on_held=self.metrics.watch_held("http", lambda: self._hold.held))
         self._servers: list[GuardedServer] = []
+        # The OpenAI API (/v1): translated by the frontend, then sent down this proxy's own
+        # forward path. openai_only: the loopback listener NGINX forwards /v1/ to (nginx.py).
+        self._openai_only = openai_only
+        self._openai = None
+        if settings.openai == "on" or openai_only:
+            from .openai_frontend import OpenAIFrontend, ProxyPath
+            self._openai = OpenAIFrontend(settings, ProxyPath(
+                read_body=self._read_body, forward=self._forward, settle=self._settle,
+                fail=self._upstream_failed, retry=_Retryable, metrics=self.metrics), self._log)
         self.apply_settings(settings)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
@@ -163,10 +176,14 @@ class EmbeddedProxy:
                                     settings.max_client_connections)
         for server in self._servers:
             server.limits = self._limits
+        if self._openai is not None:
+            self._openai.apply_settings(settings)
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         s = self._settings
+        if self._openai is not None:
+            await self._openai.start()  # reads the model's facts; a bad --chat-template stops `up` here
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=CONNECTIONS_PER_INSTANCE,
                                          keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         self._session = aiohttp.ClientSession(
@@ -247,6 +264,8 @@ class EmbeddedProxy:
         if self._unsubscribe is not None:
             unsubscribe, self._unsubscribe = self._unsubscribe, None
             unsubscribe()
+        if self._openai is not None:
+            await self._openai.stop()
 
     def inflight(self) -> dict[str, int]:
         out = {b.instance_id: 0 for b in self._backends.current()}
@@ -294,6 +313,10 @@ class EmbeddedProxy:
         url = request.rel_url
         route = self._surface.route(request.method, url.raw_path)
         kind = route.kind
+        if route.api != "v2" and self._openai is not None:
+            return await self._openai.handle(request, route)  # /v1: answered in OpenAI's shape
+        if self._openai_only and kind is not BAD_PATH:
+            kind = NOT_FOUND  # NGINX serves everything else itself
         if kind is PUBLIC or (kind is ADMIN and self._allow_admin):
             return await self._forward(request, route.path, url.raw_query_string, route.stream)
         if kind is READY:
@@ -307,7 +330,7 @@ class EmbeddedProxy:
             resp = _error(403, "admin API is disabled on this endpoint (see --allow-admin)")
         elif kind is METHOD_NOT_ALLOWED:
             resp = _error(405, f"method {request.method} not allowed", {"Allow": route.allow})
-        elif kind is NOT_FOUND:
+        elif kind is NOT_FOUND or kind is OPENAI:  # OPENAI: the API is off (--openai off)
             resp = _error(404, "not found")
         else:
             assert kind is BAD_PATH
@@ -350,20 +373,26 @@ class EmbeddedProxy:
             return _error(400, "incomplete or malformed request body", close=True)
 
     async def _forward(self, request: web.BaseRequest, path: str, query: str,
-                       stream: bool) -> web.StreamResponse:
-        body = await self._read_body(request)
-        if not isinstance(body, bytes):
-            self.metrics.count(NO_INSTANCE, body.status)
-            return body
-        # Generations only (generate, generate_stream, infer): their first event is a token.
-        action = path.rpartition("/")[2]
-        timer = self.metrics.timer(action) if action in _LLM_ACTIONS else None
+                       stream: bool, call: NativeCall | None = None) -> web.StreamResponse:
+        """`call`: an OpenAI request, already read and translated (body, timer, relay)."""
+        if call is None:
+            body = await self._read_body(request)
+            if not isinstance(body, bytes):
+                self.metrics.count(NO_INSTANCE, body.status)
+                return body
+            # Generations only (generate, generate_stream, infer): their first event is a token.
+            action = path.rpartition("/")[2]
+            timer = self.metrics.timer(action) if action in _LLM_ACTIONS else None
+        else:
+            body, timer = call.body, call.timer
         if not await self._hold.ready():
             self.metrics.count(NO_INSTANCE, 503)
             return _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
         hints = RouteHints.from_prompt(prompt_of_json(body)) if self._balancer.wants_prompt else None
         peer = request.remote
         headers = upstream_request_headers(request.headers, peer, peer in self._trusted)
+        if call is not None:
+            call.headers(headers)
         method = request.method
         session = self._session
         if session is None or session.closed:
@@ -437,6 +466,8 @@ class EmbeddedProxy:
                 if peeked is not None and QUEUE_FULL_TEXT in peeked:
                     up.release()
                     raise _Retryable("queue_full", blame=False)
+                if call is not None:
+                    return await call.relay(request, up, b, peeked, timer)
                 return await self._relay(request, up, b, stream, peeked, timer)
             except _Retryable as exc:
                 last = f"instance {iid}: {exc.reason}"
@@ -462,6 +493,14 @@ class EmbeddedProxy:
         self.metrics.failure(b.instance_id, reason)
         b.report_failure(reason)
 
+    def _settle(self, b: Backend, status: int) -> None:
+        """Passive health and routing feedback for an answer the instance gave."""
+        if status >= 500:
+            self._upstream_failed(b, f"http_{status}")
+        else:
+            self._balancer.succeeded(b.instance_id)
+            b.report_success()
+
     @staticmethod
     async def _peek_error(up: aiohttp.ClientResponse) -> bytes | None:
         """A small error body, read whole (None when large, streamed or unreadable)."""
@@ -479,11 +518,7 @@ class EmbeddedProxy:
         """Send the instance's response to the client; `up` is always closed or released."""
         status = up.status
         iid = b.instance_id
-        if status >= 500:
-            self._upstream_failed(b, f"http_{status}")
-        else:
-            self._balancer.succeeded(iid)
-            b.report_success()
+        self._settle(b, status)
         uh = up.headers
         length = uh.get("Content-Length")
         ctype = uh.get("Content-Type", "")

@@ -69,14 +69,16 @@ def _ms(seconds: float) -> int:
 
 def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefix_dir: Path | None,
                         *, listen_port: int | None = None, grpc_port: int | None = None,
-                        worker_user: str | None = None) -> str:
+                        worker_user: str | None = None, openai_upstream: str | None = None) -> str:
     """The nginx config listing `backends` (the daemon passes every planned instance).
 
     prefix_dir set: a complete nginx.conf for our own master (pid, error_log and temp
     paths inside prefix_dir). prefix_dir None: an http-context snippet (upstreams, geo,
     map and the two server blocks) for a system nginx's sites-available; it sets no
     pid, log or temp paths and no http-level directives. listen_port/grpc_port replace
-    the ports of --listen/--grpc-listen (used when those ask for port 0).
+    the ports of --listen/--grpc-listen (used when those ask for port 0). openai_upstream:
+    the daemon's OpenAI listener that /v1/ goes to (default: --openai-listen, for the
+    snippet; none: no /v1/).
     """
     host, port = parse_host_port(settings.listen, "--listen")
     grpc_listen = ""
@@ -85,6 +87,9 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         grpc_listen = _addr(ghost, grpc_port if grpc_port is not None else gport)
     full = prefix_dir is not None
     ready_dir = prefix_dir / "health" if full else None
+    if openai_upstream is None and settings.openai == "on" and settings.openai_listen:
+        oh, op = parse_host_port(settings.openai_listen, "--openai-listen")
+        openai_upstream = _addr("127.0.0.1" if oh in ("0.0.0.0", "::") else oh, op)
     return render(
         TEMPLATE,
         full=full,
@@ -117,6 +122,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         client_header_timeout_ms=_ms(settings.client_header_timeout_s),
         client_body_timeout_ms=_ms(settings.client_body_timeout_s),
         keepalive_timeout_s=75,
+        openai_upstream=openai_upstream or "",
     )
 
 
@@ -167,6 +173,12 @@ class NginxProxy:
         self._grpc_port = self._grpc_listen[1] if self._grpc_listen else None
         self.reloads = 0  # applied reloads (config changes), for status and tests
         self.last_error = ""
+        # NGINX cannot translate the OpenAI API: /v1/ goes to this loopback listener of ours,
+        # started before nginx and stopped after it (in-flight /v1/ requests pass through both).
+        self._openai: Any = None
+        if settings.openai == "on":
+            from .openai_frontend import OpenAIListener
+            self._openai = OpenAIListener(settings, backends, self._log, metrics=self.metrics)
 
     # --- public ------------------------------------------------------------------
     @property
@@ -207,7 +219,13 @@ class NginxProxy:
         self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self._dir / "temp").mkdir(exist_ok=True, mode=0o700)
         self._ready_file.parent.mkdir(exist_ok=True, mode=0o700)
-        listeners = self._open_listeners()
+        if self._openai is not None:
+            await self._openai.start()  # its port goes into the config
+        try:
+            listeners = self._open_listeners()
+        except BaseException:
+            await self._stop_openai(0)
+            raise
         try:
             error = await self._write_checked(self._render())
             if error:
@@ -216,6 +234,7 @@ class NginxProxy:
         except BaseException:
             for s in listeners:
                 s.close()
+            await self._stop_openai(0)
             raise
         self._master = NginxMaster(
             [binary, "-p", str(self._dir), "-c", str(self._conf), "-e", str(self._dir / "error.log"),
@@ -228,6 +247,7 @@ class NginxProxy:
                 await self._metrics_server.start()
         except BaseException:
             await self._master.stop(0)  # also closes the listening sockets
+            await self._stop_openai(0)
             raise
         # Subscribe only now; a change that raced with startup is caught by one more write.
         self._unsubscribe = self._backends.subscribe(self._on_ready_set)
@@ -242,6 +262,8 @@ class NginxProxy:
         The daemon refuses changed listen addresses before this (they need down/up).
         """
         self._settings = settings
+        if self._openai is not None:
+            self._openai.apply_settings(settings)
         self._request_reload()
 
     async def wait_synced(self) -> None:
@@ -263,6 +285,7 @@ class NginxProxy:
                 setattr(self, attr, None)
         if self._master is not None:
             await self._master.stop(grace_s)
+        await self._stop_openai(1.0)  # after nginx: its last /v1/ requests have drained through it
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -371,8 +394,13 @@ class NginxProxy:
 
     def _render(self) -> str:
         worker_user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else None
+        openai = _addr("127.0.0.1", self._openai.bound_port) if self._openai is not None else ""
         return render_nginx_config(self._settings, self._planned, self._dir, listen_port=self._port,
-                                   grpc_port=self._grpc_port, worker_user=worker_user)
+                                   grpc_port=self._grpc_port, worker_user=worker_user, openai_upstream=openai)
+
+    async def _stop_openai(self, grace_s: float) -> None:
+        if self._openai is not None:
+            await self._openai.stop(grace_s)
 
     async def _write_checked(self, text: str) -> str:
         """Validate text with `nginx -t`; install it atomically if valid. Returns the error, or ''."""

@@ -54,7 +54,6 @@ _ENDPOINTS = {OPENAI_COMPLETIONS: COMPLETIONS, OPENAI_CHAT: CHAT}
 # The client's own request headers that must not reach Triton with our translated body:
 # its encoding (we parse what comes back), its API key (meant for us), its body's type.
 _DROP_UPSTREAM = ("Accept-Encoding", "Authorization", "Content-Encoding", "Content-Type")
-_OURS = "openai"  # marks a response already in OpenAI's shape (web.Response is a mapping)
 
 Relay = Callable[..., Awaitable[web.StreamResponse]]
 
@@ -95,10 +94,12 @@ def _facts_args(s: Settings) -> dict[str, str]:
             "tokenizer_dir": s.tokenizer_dir}
 
 
+class _Answer(web.Response):
+    """A response already in OpenAI's shape (anything else from the forward path is translated)."""
+
+
 def _openai_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
-    resp = web.Response(status=status, body=body, content_type=_JSON, headers=headers)
-    resp[_OURS] = True
-    return resp
+    return _Answer(status=status, body=body, content_type=_JSON, headers=headers)
 
 
 def _error(exc: OpenAIError, headers: dict[str, str] | None = None) -> web.Response:
@@ -179,7 +180,7 @@ class OpenAIFrontend:
                 resp = _error(OpenAIError(404, f"unknown endpoint {route.path}", code="unknown_url"))
         except OpenAIError as exc:
             resp = _error(exc)
-        if not resp.prepared and _OURS not in resp:
+        if not resp.prepared and not isinstance(resp, _Answer):
             resp = self._translate_error(resp)
         self._count(api, resp.status)
         return resp
@@ -255,7 +256,9 @@ class OpenAIFrontend:
         clean = False
         try:
             try:
-                data = peeked[0] if peeked is not None and peeked[1] else await up.read()
+                data = _whole(peeked)
+                if data is None:
+                    data = await up.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._path.fail(b, "body_error")
                 self._metrics.count(iid, 502)
@@ -379,6 +382,16 @@ class OpenAIFrontend:
             self._log.debug("client %s left mid-stream (instance %s)", request.remote, iid)
             raise _ClientGone(resp)
         return resp
+
+
+def _whole(peeked: Any) -> bytes | None:
+    """The error body the forward path already read, if it read all of it: (bytes, whole),
+    or bytes (the proxy's older peek, which read only whole bodies)."""
+    if isinstance(peeked, (bytes, bytearray)):
+        return bytes(peeked)
+    if peeked is not None and peeked[1]:
+        return peeked[0]
+    return None
 
 
 def _gone() -> web.Response:

@@ -1,7 +1,9 @@
 """Which HTTP paths and methods, and which gRPC methods, the public endpoint exposes.
 
 Pure logic. The proxy classifies every request here before it touches an
-upstream: only the KServe v2 inference surface is public; Triton's admin API
+upstream: only the KServe v2 inference surface and the OpenAI-compatible API
+(`/v1/...`, translated by openai_frontend.py onto generate/generate_stream) are
+public; Triton's admin API
 (model load/unload accepts file uploads, logging can move the log file, shared
 memory registration maps memory) is refused unless the operator allows it.
 `ADMIN_API` is the one table of that admin API, for HTTP and gRPC alike; the gRPC
@@ -30,6 +32,13 @@ READY = "ready"  # answered by the proxy itself
 NOT_FOUND = "not_found"
 METHOD_NOT_ALLOWED = "method_not_allowed"
 BAD_PATH = "bad_path"
+OPENAI = "openai"  # public, answered by the OpenAI frontend (which forwards translated requests)
+
+# Route.api of OpenAI routes (also the proxy metrics' `api` label); native routes have "v2".
+OPENAI_MODELS = "openai.models"
+OPENAI_MODEL = "openai.model"
+OPENAI_COMPLETIONS = "openai.completions"
+OPENAI_CHAT = "openai.chat.completions"
 
 _INFER_ACTIONS = frozenset({"infer", "generate", "generate_stream"})
 
@@ -100,6 +109,7 @@ class Route:
     path: str = ""  # normalised, percent-encoded path to forward ('' for BAD_PATH)
     allow: str = ""  # Allow header for METHOD_NOT_ALLOWED
     stream: bool = False  # generate_stream: the client expects SSE
+    api: str = "v2"  # which API: "v2" (KServe v2 + Triton's extensions) or one of the OPENAI_* names
 
 
 _BAD = Route(BAD_PATH)
@@ -155,6 +165,8 @@ def classify(method: str, raw_path: str) -> Route:
         return _BAD
     path = encode(segs)
     n = len(segs)
+    if n and segs[0] == "v1":
+        return _classify_openai(method, segs, path)
     if n == 0 or segs[0] != "v2":
         return Route(NOT_FOUND, path)
     if n == 1:
@@ -187,6 +199,23 @@ def classify(method: str, raw_path: str) -> Route:
     if rest in _ADMIN_MODEL_ACTIONS:
         return Route(ADMIN, path)
     return Route(NOT_FOUND, path)
+
+
+def _classify_openai(method: str, segs: tuple[str, ...], path: str) -> Route:
+    rest = segs[1:]
+    if rest == ("models",):
+        api, allowed = OPENAI_MODELS, "GET"
+    elif len(rest) >= 2 and rest[0] == "models":  # model ids may hold a '/' (org/name)
+        api, allowed = OPENAI_MODEL, "GET"
+    elif rest == ("completions",):
+        api, allowed = OPENAI_COMPLETIONS, "POST"
+    elif rest == ("chat", "completions"):
+        api, allowed = OPENAI_CHAT, "POST"
+    else:
+        return Route(NOT_FOUND, path, api=OPENAI)
+    if method != allowed:
+        return Route(METHOD_NOT_ALLOWED, path, allow=allowed, api=api)
+    return Route(OPENAI, path, stream=False, api=api)
 
 
 class AdminRegexes(NamedTuple):
