@@ -60,7 +60,7 @@ class FakeTriton:
         n, prompt = body["max_tokens"], body["text_input"]
         words = WORDS[:n]
         if self.mode == "queue_full" and request.path.endswith("/generate"):
-            return web.json_response({"error": QUEUE_FULL}, status=400)
+            return web.json_response({"error": QUEUE_FULL}, status=500)  # the model's INTERNAL error
         if request.path.endswith("/generate"):
             return web.json_response(self._doc("".join(words), len(prompt.encode()), len(words)))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
