@@ -33,6 +33,12 @@ _STATE_STYLE = {"READY": "bold green", "UNHEALTHY": "bold yellow", "STARTING": "
                 "BACKOFF": "yellow", "STOPPING": "magenta", "FAILED": "bold red", "STOPPED": "dim"}
 COLUMNS = ("ID", "STATE", "REASON", "GPUS", "UPTIME", "RESTARTS", "INFLIGHT", "WAITING", "ACTIVE",
            "KV", "REUSE/m", "TTFT p50", "TTFT p99", "TOK/s", "GPU MEM", "GPU UTIL")
+# What a narrow terminal gives up first: the rest keep their full width (a squeezed
+# "RE…" column helps nobody).
+DROP_ORDER = ("REASON", "REUSE/m", "GPU UTIL", "GPU MEM", "RESTARTS", "TTFT p99", "UPTIME", "GPUS",
+              "WAITING", "KV")
+_MIN_WIDTH = {"ID": 2, "STATE": 9, "UPTIME": 6, "ACTIVE": 6, "TTFT p50": 8, "TTFT p99": 8,
+              "GPU MEM": 9}
 
 
 def _duration(seconds: float | None) -> str:
@@ -97,15 +103,38 @@ def header(status: dict[str, Any], error: str = "") -> Text:
     return text
 
 
-def render(status: dict[str, Any], error: str = "", footer: str = "") -> Group:
+def columns_for(width: int | None) -> list[str]:
+    """The columns that fit `width` (None: all), dropping the least needed first."""
+    names = list(COLUMNS)
+
+    def need(cols: list[str]) -> int:
+        return sum(max(len(c), _MIN_WIDTH.get(c, 0)) + 2 for c in cols if c != "REASON") + \
+            (24 if "REASON" in cols else 0)
+
+    for name in DROP_ORDER:
+        if width is None or need(names) <= width:
+            break
+        names.remove(name)
+    return names
+
+
+def render(status: dict[str, Any], error: str = "", footer: str = "", width: int | None = None) -> Group:
     table = Table(box=None, header_style="bold reverse", pad_edge=False, expand=False)
-    for name in COLUMNS:
-        table.add_column(name, no_wrap=True, overflow="ellipsis",
+    names = columns_for(width)
+    for name in names:
+        table.add_column(name, no_wrap=True, overflow="ellipsis", min_width=_MIN_WIDTH.get(name),
                          max_width=40 if name == "REASON" else None,
                          justify="right" if name not in ("ID", "STATE", "REASON", "GPUS") else "left")
+    keep = [COLUMNS.index(n) for n in names]
     for inst in status.get("instances", []):
-        table.add_row(*instance_row(inst))
+        cells = instance_row(inst)
+        table.add_row(*(cells[i] for i in keep))
     parts: list[Any] = [header(status, error), Text(""), table]
+    if "REASON" not in names:  # too narrow for the column: why an instance is not READY, below
+        for inst in status.get("instances", []):
+            if inst["state"] != "READY" and inst.get("reason"):
+                parts.append(Text(f"{inst['id']} {inst['state'].lower()}: {inst['reason']}",
+                                  style=_STATE_STYLE.get(inst["state"], ""), overflow="ellipsis", no_wrap=True))
     if footer:
         parts += [Text(""), Text(footer, style="dim")]
     return Group(*parts)
@@ -163,7 +192,8 @@ async def _live(socket_path: Path, interval: float) -> int:
     footer = "q or Ctrl-C: quit"
     console = Console()
     try:
-        with _Keys(loop, stop.set), Live(render(status, footer=footer), console=console, screen=True,
+        with _Keys(loop, stop.set), Live(render(status, footer=footer, width=console.width), console=console,
+                                         screen=True,
                                          auto_refresh=False, transient=True) as live:
             while not stop.is_set():
                 error = ""
@@ -172,7 +202,7 @@ async def _live(socket_path: Path, interval: float) -> int:
                     _, status = await call(socket_path, "GET", "/status", timeout_s=max(interval * 4, 2.0))
                 except (DaemonNotRunning, OrchError) as exc:
                     error = f"daemon not answering: {exc}"
-                live.update(render(status, error, footer), refresh=True)
+                live.update(render(status, error, footer, console.width), refresh=True)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), max(0.0, interval - (time.monotonic() - started)))
     finally:

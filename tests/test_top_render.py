@@ -130,3 +130,12 @@ async def test_plain_progress_logs_while_loading_and_stops_when_settled(monkeypa
     inst.state = _State("READY")
     shower.changed(inst)
     await asyncio.wait_for(task, 1.0)  # settled: the plain renderer ends
+
+
+def test_top_on_a_narrow_terminal_drops_columns_not_ids():
+    out = text_of(render(STATUS, width=80), width=80)
+    row0 = next(ln for ln in out.splitlines() if ln.startswith("0 "))
+    assert "READY" in row0 and "23.4ms" in row0 and "60.2" in row0
+    assert "REASON" not in out and "…" not in out.splitlines()[3]  # no squeezed header
+    assert all(len(ln) <= 80 for ln in out.splitlines())
+    assert "1 backoff: mpirun exited with code 137" in out  # the reason, below the table
