@@ -115,6 +115,7 @@ def test_mpirun_inside_a_one_node_step():
     argv = list(cmd.argv)
     assert argv[0] == "/usr/bin/srun" and ":" not in argv  # srun would read a bare ':' as a het-step separator
     for flag in ("--jobid=7", "--job-name=trtllm-orch.ab.i1", "--nodes=1", "--nodelist=node2", "--ntasks=1",
+                 "--ntasks-per-node=1", "--mpi=none",
                  "--overlap", "--cpus-per-task=3", "--export=ALL", "--container-image=img"):
         assert flag in argv
     assert argv[-3:-1] == ["/bin/sh", "-c"]

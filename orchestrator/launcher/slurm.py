@@ -46,6 +46,7 @@ log = logging.getLogger("trtllm-orch")
 RECORD_FILE = "slurm.json"  # in the state dir: tells `down` to look for steps by name
 STEP_GONE_TIMEOUT_S = 15.0  # how long we wait for squeue to stop listing a cancelled step
 SRUN_CANCEL_WAIT_S = 5.0  # srun, SIGTERMed, cancels its step; then SIGKILL
+SRUN_UNREACHABLE_WAIT_S = 1.0  # the same on a node Slurm cannot reach: no confirmation will come
 POLL_S = 0.2
 
 
@@ -155,9 +156,10 @@ class SlurmGroup(ProcessGroup):
             await self._wait_srun(grace_s)
         if self.running:
             # srun cancels its step on SIGTERM, through slurmstepd directly (this works when
-            # only the node's slurmd is gone); it waits up to KillWait for the step to end.
+            # only the node's slurmd is gone); it waits up to KillWait for the step to end,
+            # which slurmctld never confirms for a node it cannot reach.
             self._ops.killpg(self.mpirun.pid, signal.SIGTERM)
-            await self._wait_srun(SRUN_CANCEL_WAIT_S)
+            await self._wait_srun(SRUN_CANCEL_WAIT_S if reachable else SRUN_UNREACHABLE_WAIT_S)
         if self.running:
             self._ops.killpg(self.mpirun.pid, signal.SIGKILL)
             await self._wait_srun(5.0)

@@ -57,8 +57,10 @@ def srun_mpirun(cmd: LaunchCommand, inst: InstancePlan, *, srun: str, job_id: st
     """Today's mpirun command (`cmd`), run as a one-task step on the group's node."""
     env = {**cmd.env, **LOCAL_ONLY_ENV}
     inner = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *cmd.argv]
-    argv = [*_srun_head(srun, job_id, name, inst, cpus, srun_args), "--ntasks=1",
-            "/bin/sh", "-c", "exec " + shlex.join(inner)]
+    # Stated in full, so what sbatch put in the environment (SLURM_NTASKS_PER_NODE,
+    # SLURM_MPI_TYPE, ...: srun reads them as defaults) cannot reshape the step.
+    argv = [*_srun_head(srun, job_id, name, inst, cpus, srun_args), "--ntasks=1", "--ntasks-per-node=1",
+            "--mpi=none", "/bin/sh", "-c", "exec " + shlex.join(inner)]
     return LaunchCommand(tuple(argv), cmd.env)
 
 
