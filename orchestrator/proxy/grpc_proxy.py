@@ -352,7 +352,10 @@ class GrpcProxy:
                                context: grpc.aio.ServicerContext) -> None:
         tried: set[str] | None = None
         last: grpc.aio.AioRpcError | None = None
-        hints = self._hints(await inbox.first()) if self._balancer.wants_prompt else None
+        # The first request message (kept for the replay) starts the generation's clock: a
+        # client may open the stream well before it sends (the upstream call waits with it).
+        first = await inbox.first()
+        hints = self._hints(first) if self._balancer.wants_prompt else None
         timer = self.metrics.timer("ModelStreamInfer")
         for _ in range(self._max_attempts):
             backend = await self._pick(tried, hints)
