@@ -196,12 +196,67 @@ def machine() -> dict[str, Any]:
             "loadavg_at_start": load, "aiohttp": aiohttp.__version__}
 
 
-def write_result(name: str, data: dict[str, Any]) -> Path:
+def write_result(name: str, data: dict[str, Any], plot: Callable[[dict[str, Any], Any], Any] | None = None) -> Path:
+    """bench/results/<name>-<UTC stamp>.json, and with `plot` the same stem as .png."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = RESULTS / f"{name}-{stamp}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    if plot is not None:
+        png = write_plot(path, data, plot)
+        if png is not None:
+            print(f"plot: {png}")
     return path
+
+
+# --- pictures (matplotlib: the `bench` extra) ----------------------------------------------
+def write_plot(json_path: Path, data: dict[str, Any], draw: Callable[[dict[str, Any], Any], Any]) -> Path | None:
+    """Draw `data` with `draw(data, pyplot) -> figure` into a PNG next to its JSON.
+
+    None (and one line on stderr) without matplotlib: a benchmark's numbers never
+    depend on its picture. `python -m bench.plot FILE.json` redraws a committed run.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib (pip install -e '.[bench]'): no plot written", file=sys.stderr)
+        return None
+    fig = draw(data, plt)
+    png = json_path.with_suffix(".png")
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return png
+
+
+def bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], *, ylabel: str,
+         title: str, fmt: str = "{:.0f}") -> None:
+    """Grouped bars: one group per x label, one bar per series, values written on top."""
+    n = max(len(series), 1)
+    width = 0.8 / n
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        ys = [v if v is not None else 0.0 for v in values]
+        rects = ax.bar(xs, ys, width, label=name)
+        for rect, v in zip(rects, values):
+            if v is not None:
+                ax.annotate(fmt.format(v), (rect.get_x() + rect.get_width() / 2, rect.get_height()),
+                            ha="center", va="bottom", fontsize=7, xytext=(0, 1), textcoords="offset points")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def latency_bars(ax: Any, rows: list[dict[str, Any]], title: str, keys: tuple[str, ...] = ("p50_ms", "p90_ms", "p99_ms"),
+                 label: str = "target") -> None:
+    """Latency percentiles per target (rows as the benches' tables have them)."""
+    bars(ax, [str(r[label]) for r in rows], {k.replace("_ms", ""): [r.get(k) for r in rows] for k in keys},
+         ylabel="ms", title=title, fmt="{:.1f}")
 
 
 # --- side processes (NGINX / standalone embedded proxy on the same instances) ----------------

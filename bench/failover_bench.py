@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import GENERATE, body, machine, med, run_load, table, use_uvloop, write_result
+from bench.common import GENERATE, bars, body, latency_bars, machine, med, run_load, table, use_uvloop, write_result
 from tests.harness import Run, log_times, transitions
 
 _NGINX_UPSTREAM_ERR = re.compile(r"\[error\].*(upstream|connect\(\) failed)")
@@ -176,6 +176,28 @@ async def _mode(mode: str, kills: int, concurrency: int) -> dict[str, Any]:
     return out
 
 
+def plot(result: dict[str, Any], plt: Any) -> Any:
+    """Per kill: time out of rotation and back to READY; per mode: the load's latency and failures."""
+    modes = result["modes"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, mode in modes.items():
+        kills = mode.get("kills", [])
+        axes[0].plot([k["kill"] for k in kills], [k["ready_s"] for k in kills], marker="o", label=f"{name}: ready again")
+        axes[0].plot([k["kill"] for k in kills], [k["leave_s"] for k in kills], marker="x", linestyle="--",
+                     label=f"{name}: out of rotation")
+    axes[0].set_xlabel("kill -9 of a rank, #")
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_ylabel("s after the kill")
+    axes[0].set_title("each kill under load", fontsize=10)
+    axes[0].legend(fontsize=7)
+    axes[0].grid(alpha=0.3)
+    rows = [{**m["load"], "target": f"{n}\n{m['failed']} failed of {m['sent']}"} for n, m in modes.items()]
+    latency_bars(axes[1], rows, "client latency during the kills")
+    fig.suptitle("failover_bench: steady load while ranks are killed", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="embedded,nginx")
@@ -232,7 +254,7 @@ def main() -> int:
     for k, (v, ok) in goals.items():
         print(f"  {'PASS' if ok else 'MISS'}  {k}: {v}")
     result["goals"] = {k: {"value": v, "met": ok} for k, (v, ok) in goals.items()}
-    path = write_result("failover_bench", result)
+    path = write_result("failover_bench", result, plot)
     print(f"\nwrote {path}")
     leaks = [p for m in result["modes"].values() for p in m.get("leaked_pids", [])]
     if leaks:

@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (GENERATE, RESULTS, pct, SideEmbedded, SideNginx, body, machine, med, mixed_bodies,
-                          run_load, table, use_uvloop, write_result)
+from bench.common import (GENERATE, RESULTS, pct, SideEmbedded, SideNginx, bars, body, latency_bars, machine,
+                          med, mixed_bodies, run_load, table, use_uvloop, write_result)
 from tests.harness import DEMO_REPO, Run
 
 COLS = ["target", "rps", "p50_ms", "p90_ms", "p99_ms", "p99_pooled_ms", "n", "failed"]
@@ -214,6 +214,31 @@ def scenario_mixed(rounds: int, seconds: float, seed: int, slots: int) -> dict[s
     return out
 
 
+def plot(result: dict[str, Any], plt: Any) -> Any:
+    """Latency percentiles per target for each scenario run, and c16 throughput."""
+    panels = []
+    small = result.get("small") or {}
+    if small.get("c16"):
+        panels.append(("c16", "small, concurrency 16: latency"))
+        panels.append(("rps", "small, concurrency 16: throughput"))
+    if small.get("c1"):
+        panels.append(("c1", "small, concurrency 1: latency (the hop's cost)"))
+    if (result.get("mixed") or {}).get("medians"):
+        panels.append(("mixed", "mixed lengths, 4 slots/instance, concurrency 16: latency"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), squeeze=False)
+    for ax, (key, title) in zip(axes[:, 0], panels):
+        if key == "rps":
+            rows = small["c16"]["medians"]
+            bars(ax, [r["target"] for r in rows], {"req/s": [r["rps"] for r in rows]}, ylabel="req/s", title=title)
+        elif key == "mixed":
+            latency_bars(ax, result["mixed"]["medians"], title)
+        else:
+            latency_bars(ax, small[key]["medians"], title)
+    fig.suptitle("proxy_bench: medians of rounds (same instances behind every target)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", choices=("small", "mixed", "all"), default="all")
@@ -266,7 +291,7 @@ def main() -> int:
     for k, (v, ok) in goals.items():
         print(f"  {'PASS' if ok else 'MISS'}  {k}: {v}")
     result["goals"] = {k: {"value": v, "met": ok} for k, (v, ok) in goals.items()}
-    path = write_result("proxy_bench", result)
+    path = write_result("proxy_bench", result, plot)
     print(f"\nwrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
     leaks = [p for k in ("small", "mixed") for p in result.get(k, {}).get("leaked_pids", [])]
     if leaks:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import GENERATE, body, machine, run_load, table, use_uvloop, write_result
+from bench.common import GENERATE, body, latency_bars, machine, run_load, table, use_uvloop, write_result
 from tests.harness import Run, log_times, transitions
 
 
@@ -94,6 +94,29 @@ async def _bench(concurrency: int) -> dict[str, Any]:
     return out
 
 
+def plot(result: dict[str, Any], plt: Any) -> Any:
+    """When each instance was out of rotation during the reload, and the load's latency."""
+    insts = result["instances"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw={"width_ratios": [2, 1]})
+    ax = axes[0]
+    for y, inst in enumerate(insts):
+        if inst.get("left_at_s") is not None and inst.get("back_at_s") is not None:
+            ax.broken_barh([(inst["left_at_s"], inst["back_at_s"] - inst["left_at_s"])], (y - 0.3, 0.6),
+                           color="tab:orange")
+            ax.annotate(f"{inst['out_of_rotation_s']:.2f} s", (inst["back_at_s"], y), xytext=(4, -3),
+                        textcoords="offset points", fontsize=8)
+    ax.set_yticks(range(len(insts)))
+    ax.set_yticklabels([f"instance {i['instance']}" for i in insts])
+    ax.set_xlabel("s after `reload`")
+    ax.set_title(f"out of rotation, one at a time ({result['sent']} requests, {result['failed']} failed)",
+                 fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    latency_bars(axes[1], [result["load"]], "client latency during the reload")
+    fig.suptitle("rolling_bench: rolling restart under load", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -127,7 +150,7 @@ def main() -> int:
     for k, (v, ok) in goals.items():
         print(f"  {'PASS' if ok else 'MISS'}  {k}: {v}")
     result["goals"] = {k: {"value": v, "met": ok} for k, (v, ok) in goals.items()}
-    path = write_result("rolling_bench", result)
+    path = write_result("rolling_bench", result, plot)
     print(f"\nwrote {path}")
     if r.get("leaked_pids"):
         print(f"LEAKED processes killed by the harness: {r['leaked_pids']}", file=sys.stderr)

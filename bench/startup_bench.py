@@ -38,6 +38,24 @@ def one(tmp: Path, name: str, layout: dict) -> dict:
         run.close()
 
 
+def plot(result: dict, plt):
+    """Every round's time to all READY per layout (daemon's own clock, and the CLI's wall time)."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    layouts = list(result["samples"])
+    for key, marker in (("daemon_to_all_ready_s", "o"), ("cli_wall_s", "x")):
+        xs = [i for i, layout in enumerate(layouts) for _ in result["samples"][layout]]
+        ys = [s[key] for layout in layouts for s in result["samples"][layout]]
+        ax.scatter(xs, ys, marker=marker, label=key.replace("_s", " (s)").replace("_", " "))
+    ax.set_xticks(range(len(layouts)))
+    ax.set_xticklabels(layouts)
+    ax.set_ylabel("s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"startup_bench: to all READY (2 instances / 1: x{result['ratio_2_over_1']:.2f})", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -56,7 +74,8 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     print(f"2 instances / 1 instance, median of per-round ratios: {med(ratios):.2f} "
           f"(1.0 = fully parallel, 2.0 = sequential)")
-    path = write_result("startup_bench", {"samples": samples, "ratio_2_over_1": med(ratios), "rows": rows})
+    path = write_result("startup_bench", {"bench": "startup_bench", "samples": samples,
+                                          "ratio_2_over_1": med(ratios), "rows": rows}, plot)
     print(f"wrote {path}")
 
 
