@@ -60,6 +60,7 @@ DEFAULTS = {
     "twin_tokens_per_block": "64",
     "twin_engine_max_batch_size": "${twin_engine_max_batch_size}",
     "twin_engine_load_time_s": "0",
+    "twin_engine_max_queue_size": "${twin_engine_max_queue_size}",
 }
 
 

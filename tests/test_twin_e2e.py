@@ -80,12 +80,20 @@ def plain(tmp_path_factory):
 
 @pytest.fixture
 def two_slots(tmp_path):
-    """Streaming (decoupled) repository with 2 engine batch slots and a queue of 4.
+    """Streaming (decoupled) repository with 2 engine batch slots and an engine queue of 4.
     The slots are the engine's (twin_engine_max_batch_size), with Triton's batch left
     at 64: with Triton's max_batch_size at 2 this Triton keeps requests in its own
-    scheduler queue, and a non-decoupled Python model is held until its batch is done."""
+    scheduler queue, and a non-decoupled Python model is held until its batch is done.
+
+    The queue limit is the engine's alone (twin_engine_max_queue_size), not Triton's
+    queue policy (max_queue_size, which TRT-LLM's backend also hands to the executor):
+    with a policy of max_queue_size > 0, this tritonserver (2.51) now and then holds a
+    request ~0.5 s in the dynamic batcher (6 of 300 sequential preprocessing calls took
+    0.502 s, none without it), so the six requests reached the engine up to a second
+    apart, and its scheduler queue refuses a burst by itself ("Exceeds maximum queue
+    size") before the engine sees it."""
     repo = fill_template.write_repo(tmp_path / "repo", streaming=True, overrides={
-        "twin_engine_max_batch_size": "2", "max_queue_size": "4"})
+        "twin_engine_max_batch_size": "2", "twin_engine_max_queue_size": "4"})
     s = Server(repo, tmp_path)
     yield s
     s.close()
@@ -192,8 +200,6 @@ def test_plain_infer_on_non_streaming_repo(plain):
             "ensemble", _ensemble_inputs(httpclient, "x", 2, stream=True))
 
 
-@pytest.mark.xfail(strict=False, reason="under pytest the six requests reach the engine too late to see 4 queued "
-                   "at once (manually: 2 active + 4 queued at 0.64 s); not resolved yet")
 def test_two_slots_six_requests_metrics_and_queue_limit(two_slots):
     plain = two_slots
     n, step = 80, 0.02
@@ -222,10 +228,11 @@ def test_two_slots_six_requests_metrics_and_queue_limit(two_slots):
     assert (req("max"), req("active"), req("scheduled"), req("waiting")) == (2, 2, 2, 0), m
     assert m[("twin_executor_queued_requests", "")] == 4
     assert m[("nv_trt_llm_kv_cache_block_metrics", "used")] == 2
-    # Three waves, each n steps after the previous one.
-    waves = [done[1] - done[0], done[2] - done[1], done[4] - done[2], done[5] - done[4]]
-    assert waves[0] < 0.5 * n * step and waves[2] < 0.5 * n * step
-    assert 0.8 * n * step <= waves[1] <= 2.5 * n * step and 0.8 * n * step <= waves[3] <= 2.5 * n * step
+    # Three waves of two, each n steps after the previous one.
+    within = [done[1] - done[0], done[3] - done[2], done[5] - done[4]]
+    between = [done[2] - done[1], done[4] - done[3]]
+    assert all(w < 0.5 * n * step for w in within), done
+    assert all(0.8 * n * step <= b <= 2.5 * n * step for b in between), done
     m2 = plain.metrics()
     assert m2[("nv_trt_llm_request_metrics", "active")] == 0      # the final iteration stat
     assert m2[("nv_trt_llm_kv_cache_block_metrics", "used")] == 0

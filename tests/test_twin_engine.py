@@ -102,20 +102,39 @@ def test_iteration_cost_decode_plus_uncached_prefill():
 
 
 def test_kv_accounting_guaranteed_no_evict_and_waiting():
-    # 4 blocks of 16 tokens; each request reserves prompt + max_new = 20 tokens = 2 blocks.
+    # 4 blocks of 16 tokens; each request needs prompt + max_new = 20 tokens = 2 blocks to
+    # finish. guaranteed_no_evict admits it only while those can be had (the blocks the
+    # running ones still need are spoken for), but allocates as the sequence grows, as
+    # TRT-LLM's block manager does: `used` counts allocated blocks, not reservations.
     e = make(max_batch_size=4, max_tokens_in_paged_kv_cache=64, tokens_per_block=16, enable_kv_cache_reuse=False)
     for i in range(3):
         e.enqueue(seq(i, [i + 1] * 10, 10))
     it = e.step()
     s = it.stats
-    assert (s.kv_max, s.kv_used, s.kv_free, s.kv_tokens_per) == (4, 4, 0, 16)
-    assert s.kv_fraction == 1.0
+    assert (s.kv_max, s.kv_used, s.kv_free, s.kv_tokens_per) == (4, 2, 2, 16)   # one prompt block each
+    assert s.kv_fraction == 0.5
     # The third request is active but cannot get blocks: TRT-LLM's "waiting".
     assert (s.active, s.scheduled, s.waiting) == (3, 2, 1)
+    for _ in range(5):                       # tokens 2..6: positions 10..15, still one block
+        assert e.step().stats.kv_used == 2
+    s = e.step().stats                       # token 7 sits at position 16: a second block each
+    assert (s.kv_used, s.kv_free, s.scheduled, s.waiting) == (4, 0, 2, 1)
     events, its = run_all(e)
     done = finish_iter(events)
     assert done[0] == done[1] == 10 and done[2] == 20
     assert its[-1].stats.kv_used == 0 and its[-1].stats.kv_free == 4
+
+
+def test_guaranteed_no_evict_never_pauses_max_utilization_may():
+    # 3 blocks of 16; two requests of 10 + 20 tokens (2 blocks each to finish).
+    for policy, admitted_first in (("guaranteed_no_evict", 1), ("max_utilization", 2)):
+        e = make(max_batch_size=2, max_tokens_in_paged_kv_cache=48, tokens_per_block=16,
+                 enable_kv_cache_reuse=False, batch_scheduler_policy=policy)
+        e.enqueue(seq(0, [1] * 10, 20))
+        e.enqueue(seq(1, [2] * 10, 20))
+        assert e.step().stats.scheduled == admitted_first, policy
+        paused = max(it.stats.paused_requests for it in run_all(e, limit=200)[1])
+        assert paused == (0 if policy == "guaranteed_no_evict" else 1), policy
 
 
 def test_request_larger_than_cache_is_refused():

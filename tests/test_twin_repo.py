@@ -84,6 +84,14 @@ def test_params_unset_placeholders_fall_back_to_defaults():
                         environ={"DEMO_TOKEN_DELAY_MS": "3"}).engine.decode_ms == 3.0
 
 
+def test_engine_queue_limit_of_its_own_overrides_the_queue_policy():
+    base = {"gpt_model_type": "inflight_fused_batching", "twin_engine_max_queue_size": "${twin_engine_max_queue_size}"}
+    assert TwinSettings(_config(base), environ={}).engine.max_queue_size == 3
+    own = TwinSettings(_config({**base, "twin_engine_max_queue_size": "5"},
+                               dynamic_batching={"default_queue_policy": {"max_queue_size": "0"}}), environ={})
+    assert own.engine.max_queue_size == 5
+
+
 def test_invalid_gpt_model_type_fails_the_load():
     with pytest.raises(ValueError, match="Invalid gpt_model_type"):
         TwinSettings(_config({"gpt_model_type": "${batching_strategy}"}), environ={})

@@ -4,9 +4,13 @@ One `step()` is one executor iteration:
 1. cancelled requests (queued or active) finish, freeing their slot and KV blocks;
 2. queued requests move into the active set while it has fewer than max_batch_size;
 3. the scheduler picks this iteration's requests: a request in context phase needs
-   its KV blocks first (guaranteed_no_evict reserves prompt + max_new_tokens up front;
-   max_utilization takes blocks as the sequence grows and pauses it when none are
-   left); a request that cannot get blocks stays active but unscheduled ("waiting");
+   its KV blocks first. Blocks are allocated as a sequence grows (its prompt, then one
+   more whenever a token starts a new block) under both policies; guaranteed_no_evict
+   admits a request only if the free blocks, less what every running sequence still
+   needs to reach its max_new_tokens, cover all it will need (TRT-LLM's
+   NoEvictScheduledBlocksManager), so nothing ever waits for a block once started;
+   max_utilization admits on the prompt alone and pauses a sequence when no block is
+   left. A request that cannot get blocks stays active but unscheduled ("waiting");
 4. every scheduled request gets one token; the iteration costs decode_ms plus
    prefill_ms_per_token for each prompt token not served from the KV cache.
 
@@ -185,22 +189,32 @@ class Engine:
         scheduled, context, paused = [], 0, 0
         context_tokens = 0
         blocked = False   # FIFO: once a context request waits for blocks, later ones wait too
+        no_evict = c.batch_scheduler_policy == POLICIES[0]
+        # guaranteed_no_evict: blocks the running sequences still need to finish are spoken for.
+        held = sum(self._blocks_to_completion(s) for s in self.active if s.alloc is not None) if no_evict else 0
         for seq in self.active:
             if seq.alloc is None:
                 if blocked:
                     continue
-                reserve = len(seq.prompt) + (seq.max_new_tokens if c.batch_scheduler_policy == POLICIES[0] else 1)
-                alloc = kv.allocate(seq.prompt, reserve)
+                full = len(seq.prompt) + seq.max_new_tokens
+                alloc = kv.allocate(seq.prompt, len(seq.prompt) + 1,
+                                    must_fit_tokens=full if no_evict else None, held_blocks=held)
                 if alloc is None:
                     blocked = True
                     continue
+                if no_evict:
+                    held += self._blocks_to_completion(seq, alloc)
                 seq.alloc, seq.reused_blocks = alloc, alloc.reused
                 seq.first_scheduled_ns = seq.first_scheduled_ns or now
                 context += 1
                 context_tokens += len(seq.prompt) - alloc.reused * c.tokens_per_block
-            elif not kv.grow(seq.alloc, len(seq.prompt) + len(seq.generated) + 1):
-                paused += 1
-                continue
+            else:
+                before = len(seq.alloc.blocks)
+                if not kv.grow(seq.alloc, len(seq.prompt) + len(seq.generated) + 1):
+                    paused += 1
+                    continue
+                if no_evict:
+                    held -= len(seq.alloc.blocks) - before
             scheduled.append(seq)
 
         duration_ms = (c.decode_ms if scheduled else 0.0) + c.prefill_ms_per_token * context_tokens
@@ -227,6 +241,10 @@ class Engine:
             kv_fraction=(kv.used_blocks / kv.max_blocks) if kv.max_blocks else 0.0,
         )
         return Iteration(events, duration_ms / 1000.0, stats)
+
+    def _blocks_to_completion(self, seq, alloc=None):
+        alloc = alloc or seq.alloc
+        return max(0, self.kv.blocks_for(len(seq.prompt) + seq.max_new_tokens) - len(alloc.blocks))
 
     @staticmethod
     def _finish_reason(seq, tok):

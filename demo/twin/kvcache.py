@@ -84,9 +84,11 @@ class KvCache:
             n += 1
         return n
 
-    def allocate(self, prompt, reserve_tokens):
+    def allocate(self, prompt, reserve_tokens, must_fit_tokens=None, held_blocks=0):
         """Blocks for a new sequence covering `reserve_tokens` tokens (>= len(prompt)),
-        reusing cached leading prompt blocks; None (and no change) if they cannot be had."""
+        reusing cached leading prompt blocks; None (and no change) if they cannot be had.
+        With must_fit_tokens, the free blocks less `held_blocks` (spoken for by others)
+        must also cover the sequence's growth to that many tokens."""
         hashes = block_hashes(prompt, self.tokens_per_block) if self.enable_reuse else []
         reuse_n = self.match(prompt)
         reused = [self._by_hash[h] for h in hashes[:reuse_n]]
@@ -94,6 +96,9 @@ class KvCache:
         # Cached-free blocks we are about to reuse cannot also be evicted for new ones.
         reusable_free = sum(1 for b in reused if self._blocks[b].refs == 0)
         if need_new > self.free_blocks - reusable_free:
+            return None
+        if must_fit_tokens is not None and \
+                max(0, self.blocks_for(must_fit_tokens) - reuse_n) > self.free_blocks - reusable_free - held_blocks:
             return None
         for b in reused:
             blk = self._blocks[b]

@@ -45,7 +45,11 @@ class TwinSettings:
             # twin uses Triton's max_batch_size (triton_max_batch_size).
             max_batch_size=get(p, "twin_engine_max_batch_size",
                                max(1, int(model_config.get("max_batch_size", 64) or 64)), int),
-            max_queue_size=int(policy.get("max_queue_size", 0) or 0),
+            # TRT-LLM's backend passes the queue policy's max_queue_size to the executor.
+            # twin_engine_max_queue_size sets the engine's limit alone: Triton's own queue
+            # policy also caps its scheduler queue (rejecting bursts with "Exceeds maximum
+            # queue size") and, in tritonserver 2.51, now and then holds a request ~0.5 s.
+            max_queue_size=get(p, "twin_engine_max_queue_size", int(policy.get("max_queue_size", 0) or 0), int),
             max_tokens_in_paged_kv_cache=get(p, "max_tokens_in_paged_kv_cache", 1 << 20, int),
             tokens_per_block=get(p, "twin_tokens_per_block", 64, int),
             enable_kv_cache_reuse=get(p, "enable_kv_cache_reuse", True, bool),
