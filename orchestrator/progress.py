@@ -35,7 +35,9 @@ TAIL_LINES = 3  # of a failed instance's log, under its row
 _RANK_TAG = re.compile(r"^\[(?:\d+,)?(\d+)\](?:<std(?:out|err)>:)?\s?")
 # tritonserver's glog prefix: I1122 01:16:15.157670 26458 model_lifecycle.cc:472]
 _GLOG = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
-_SETTLED = frozenset({"READY", "FAILED", "STOPPING", "STOPPED"})
+# Every instance starts STOPPED: only READY and FAILED end the loading (a `down` during
+# the load cancels the renderer with the daemon's other tasks).
+_SETTLED = frozenset({"READY", "FAILED"})
 _STYLE = {"READY": "bold green", "FAILED": "bold red", "BACKOFF": "yellow", "STARTING": "cyan",
           "UNHEALTHY": "yellow"}
 
@@ -192,7 +194,9 @@ class LoadProgress:
         table.add_column("LAST LOG LINE", overflow="ellipsis", no_wrap=True, max_width=100)
         for inst_id, state, elapsed, what, tail in rows(instances, time.monotonic()):
             gpus = ",".join(map(str, instances[inst_id].plan.gpus))
-            table.add_row(inst_id, gpus, Text(state, style=_STYLE.get(state, "")), elapsed, what)
+            # Text, not str: log lines hold brackets ("[twin tensorrt_llm] ...") that rich
+            # would read as markup and swallow.
+            table.add_row(inst_id, gpus, Text(state, style=_STYLE.get(state, "")), elapsed, Text(what))
             for line in tail:
                 table.add_row("", "", "", "", Text(f"log: {line}", style="red"))
         return table

@@ -75,7 +75,7 @@ def instance_row(inst: dict[str, Any]) -> list[Text | str]:
     active = f"{engine['active']}/{engine['max_active']}" if engine else "-"
     kv = f"{engine['kv_fraction'] * 100:.0f}%" if engine else "-"
     mem, util = _gpu_cells(inst.get("gpu") or [])
-    return [inst["id"], Text(state, style=_STATE_STYLE.get(state, "")), reason,
+    return [inst["id"], Text(state, style=_STATE_STYLE.get(state, "")), Text(reason),  # no markup
             ",".join(map(str, inst["gpus"])), _duration(inst.get("uptime_s")), str(inst.get("restarts", 0)),
             str(inst.get("inflight", 0)), _num(engine.get("waiting")), active, kv,
             _num(engine.get("kv_reused_last_minute")), _num(llm.get("ttft_p50_ms"), "{:.1f}ms"),

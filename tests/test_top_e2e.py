@@ -137,3 +137,29 @@ def test_top_without_a_terminal_prints_one_table(orch_run):
     assert "READY" in row(out.stdout, "0") and "READY" in row(out.stdout, "1")
     missing = run.cli("top", "--state-dir", str(run.state_dir / "nowhere"), timeout=30)
     assert missing.returncode != 0 and "no daemon" in missing.stderr
+
+
+@pytest.mark.skipif(TMUX is None, reason="tmux is not installed (scripts/bootstrap installs it)")
+def test_up_on_a_terminal_shows_engines_loading_until_ready(orch_run, tmp_path):
+    """`up` in a terminal: per instance the elapsed time and the engine's last log line, then READY."""
+    repo = tmp_path / "repo"
+    subprocess.run([sys.executable, str(REPO / "demo" / "fill_template.py"), "--repo", str(repo), "--streaming",
+                    "twin_engine_load_time_s:5"], check=True, capture_output=True, timeout=60)
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, model_repo=repo, extra=("--log-level", "info"))
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in run.env.items() if k in ("PATH", "PYTHONPATH",
+                                                                                "LD_LIBRARY_PATH"))
+    cmd = (f"cd {shlex.quote(str(REPO))}; env -u COLUMNS -u LINES {env} {shlex.quote(sys.executable)} -m orchestrator "
+           f"up {' '.join(shlex.quote(a) for a in run.args)}; sleep 120")
+    pane = Pane(f"orch-up-{os.getpid()}", cmd, width=160, height=20)
+    try:
+        screen = pane.wait_for(lambda s: "loading engine: 5s" in row(s, "0") and "STARTING" in row(s, "1"), 30,
+                               "engines loading")
+        assert "loading engines" in screen and "ELAPSED" in screen
+        assert "rank 0: [twin tensorrt_llm] loading engine: 5s" in row(screen, "0")
+        screen = pane.wait_for(lambda s: "ready in" in row(s, "0") and "ready in" in row(s, "1"), 60,
+                               "both READY")
+        assert screen.rstrip().splitlines()[-1].startswith("1 "), "the summary stays under the log lines"
+        assert "STOPPED -> STARTING" in screen  # log lines print above the block, not through it
+    finally:
+        run.cli("down", "--state-dir", str(run.state_dir), timeout=120)
+        pane.close()

@@ -139,3 +139,16 @@ def test_top_on_a_narrow_terminal_drops_columns_not_ids():
     assert "REASON" not in out and "…" not in out.splitlines()[3]  # no squeezed header
     assert all(len(ln) <= 80 for ln in out.splitlines())
     assert "1 backoff: mpirun exited with code 137" in out  # the reason, below the table
+
+
+def test_instances_not_yet_launched_are_not_settled():
+    insts = {"0": FakeInstance("0", _State("STOPPED")), "1": FakeInstance("1", _State("READY"))}
+    assert not LoadProgress.settled(insts)
+
+
+def test_log_lines_and_reasons_are_not_read_as_markup():
+    insts = {"0": FakeInstance("0", _State("STARTING"), started_at=0.0,
+                               lines=['[1,0]<stderr>: I1122 01:00:00.1 1 model.py:42] "[twin tensorrt_llm] loading"'])}
+    assert "rank 0: [twin tensorrt_llm] loading" in text_of(LoadProgress(terminal=True).render(insts))
+    status = {**STATUS, "instances": [{**STATUS["instances"][1], "reason": "[bold] not markup"}]}
+    assert "[bold] not markup" in text_of(render(status))
