@@ -331,6 +331,26 @@ async def test_ttft_metrics_by_api(h):
     assert 'trtllm_orch_proxy_requests_total{code="200",instance="0"} 2.0' in text
 
 
+async def test_reload_rereads_the_model_facts(h, tmp_path):
+    await h.start(up := await fake())
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}")
+    settings = Settings(**{**h.proxy._settings.__dict__, "openai_model_name": "renamed",
+                           "chat_template": str(template)})
+    h.proxy.apply_settings(settings)
+    for _ in range(100):  # re-read in a worker thread, off the event loop
+        if [m.id for m in (await h.client().models.list()).data] == ["renamed"]:
+            break
+        await asyncio.sleep(0.02)
+    await h.client().chat.completions.create(model="renamed", messages=[{"role": "user", "content": "q"}],
+                                             max_tokens=1)
+    assert up.requests[-1][1]["text_input"] == "q|"
+    template.write_text("{% for %}")  # a broken template on reload keeps the previous facts
+    h.proxy.apply_settings(Settings(**{**settings.__dict__, "openai_model_name": "again"}))
+    await asyncio.sleep(0.3)
+    assert [m.id for m in (await h.client().models.list()).data] == ["renamed"]
+
+
 # --- the loopback listener NGINX forwards /v1/ to -----------------------------------------------------
 async def test_openai_listener_serves_only_v1():
     up = await fake()

@@ -129,7 +129,7 @@ class OpenAIFrontend:
 
     def apply_settings(self, settings: Settings) -> None:
         old, self._settings = self._settings, settings
-        if _facts_args(old) == _facts_args(settings) and old.model_repo == settings.model_repo:
+        if _facts_args(old) == _facts_args(settings):
             return
         # Reloads run one at a time; one asked for during a reload runs after it with the latest settings.
         self._reload_wanted = True
