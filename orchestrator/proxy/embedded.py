@@ -8,7 +8,7 @@ Request path, in order:
 
 Retries happen only before any response byte reached the client: a refused or
 timed-out connect, a connection dropped before response headers, a 503, a
-queue-full rejection (TRT-LLM's "Maximum queue size ... reached", an HTTP 500),
+queue-full rejection (TRT-LLM's "Maximum queue size ... reached", an HTTP 500, or 400 through an ensemble),
 an error from an instance that left rotation, or no first byte within
 --first-byte-timeout-s moves the request to another ready instance (max_attempts
 in all). Once headers arrived we commit: a failure mid-body truncates the
@@ -462,9 +462,11 @@ class EmbeddedProxy:
                     # request, and no byte has reached the client: try another instance.
                     up.close()
                     raise _Retryable(f"http_{status}", blame=False)
-                peeked = await self._peek_error(up) if status == 500 else None
-                if peeked is not None and QUEUE_FULL_TEXT in peeked:
-                    up.release()
+                # TRT-LLM's queue-full is an INTERNAL error: 500 from the model, 400 through
+                # an ensemble (Triton 2.51). Read small error bodies to tell it apart.
+                peeked = await self._peek_error(up) if status >= 400 else None
+                if peeked is not None and QUEUE_FULL_TEXT in peeked[0]:
+                    up.close()
                     raise _Retryable("queue_full", blame=False)
                 if call is not None:
                     return await call.relay(request, up, b, peeked, timer)
@@ -502,18 +504,32 @@ class EmbeddedProxy:
             b.report_success()
 
     @staticmethod
-    async def _peek_error(up: aiohttp.ClientResponse) -> bytes | None:
-        """A small error body, read whole (None when large, streamed or unreadable)."""
+    async def _peek_error(up: aiohttp.ClientResponse) -> tuple[bytes, bool] | None:
+        """The start of an error body and whether it is all of it (None: too large to look).
+
+        Error bodies are small (Triton answers them chunked); reading one before
+        answering lets a full queue be retried elsewhere while nothing reached the
+        client. A read that fails is retried like a dropped connection.
+        """
         length = up.headers.get("Content-Length")
-        if length is None or not length.isdigit() or int(length) > ERROR_PEEK_MAX:
+        if length is not None and (not length.isdigit() or int(length) > ERROR_PEEK_MAX):
             return None
+        parts: list[bytes] = []
+        total = 0
         try:
-            return await up.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
+            while total <= ERROR_PEEK_MAX:
+                chunk = await up.content.readany()
+                if not chunk:
+                    return b"".join(parts), True
+                parts.append(chunk)
+                total += len(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            up.close()
+            raise _Retryable("disconnected") from exc
+        return b"".join(parts), False
 
     async def _relay(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
-                     stream: bool, peeked: bytes | None = None,
+                     stream: bool, peeked: tuple[bytes, bool] | None = None,
                      timer: TokenTimer | None = None) -> web.StreamResponse:
         """Send the instance's response to the client; `up` is always closed or released."""
         status = up.status
@@ -526,11 +542,12 @@ class EmbeddedProxy:
         if status >= 300:
             timer = None  # an error is no generation
         try:
-            if peeked is not None or (
+            whole = peeked is not None and peeked[1]
+            if whole or (
                     not stream and length is not None and length.isdigit() and int(length) <= BUFFER_MAX
                     and "Transfer-Encoding" not in uh and not ctype.startswith(_SSE)):
                 try:
-                    data = peeked if peeked is not None else await up.read()
+                    data = peeked[0] if whole else await up.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     self._upstream_failed(b, "body_error")
                     self.metrics.count(iid, 502)
@@ -542,7 +559,7 @@ class EmbeddedProxy:
                     timer.events(iid)  # the whole answer is its one event
                 return web.Response(status=status, reason=up.reason, body=data,
                                     headers=client_response_headers(uh, keep_length=False))
-            resp, clean = await self._stream(request, up, b, length, timer)
+            resp, clean = await self._stream(request, up, b, length, peeked[0] if peeked else b"", timer)
             return resp
         finally:
             # release() returns a fully read connection to the pool; close() drops
@@ -553,8 +570,9 @@ class EmbeddedProxy:
                 up.close()
 
     async def _stream(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
-                      length: str | None, timer: TokenTimer | None = None) -> tuple[web.StreamResponse, bool]:
-        """Relay chunk by chunk; True when the instance's response was read to its end."""
+                      length: str | None, head: bytes = b"",
+                      timer: TokenTimer | None = None) -> tuple[web.StreamResponse, bool]:
+        """Relay chunk by chunk (`head`: already read); True when the response was read to its end."""
         iid = b.instance_id
         headers = client_response_headers(up.headers, keep_length=length is not None)
         # SSE: every event is an output event; any other body is one answer, counted at its end.
@@ -570,7 +588,16 @@ class EmbeddedProxy:
         except ConnectionError:
             return resp, False  # client already gone
         content = up.content
+        chunk = head
         while True:
+            if chunk:
+                try:
+                    await resp.write(chunk)
+                except ConnectionError:
+                    # Client went away: returning closes `up`, so Triton sees the cancel.
+                    self._log.debug("client %s disconnected mid-stream from instance %s",
+                                    request.remote, iid)
+                    return resp, False
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -582,13 +609,6 @@ class EmbeddedProxy:
                 return resp, False
             if not chunk:
                 break
-            try:
-                await resp.write(chunk)
-            except ConnectionError:
-                # Client went away: returning closes `up`, so Triton sees the cancel.
-                self._log.debug("client %s disconnected mid-stream from instance %s",
-                                request.remote, iid)
-                return resp, False
             if sse is not None:
                 timer.events(iid, sse.feed(chunk))  # type: ignore[union-attr]
         try:
