@@ -331,6 +331,15 @@ async def test_ttft_metrics_by_api(h):
     assert 'trtllm_orch_proxy_requests_total{code="200",instance="0"} 2.0' in text
 
 
+async def test_long_conversation(h):
+    await h.start(up := await fake())
+    long = "word " * 20000  # over BIG_BODY: parsed and rendered in a worker thread
+    r = await h.client().chat.completions.create(model="ensemble", max_tokens=1,
+                                                 messages=[{"role": "user", "content": long}])
+    assert r.choices[0].message.content == " the"
+    assert up.requests[-1][1]["text_input"] == f"<|user|>\n{long}</s>\n<|assistant|>\n"
+
+
 async def test_reload_rereads_the_model_facts(h, tmp_path):
     await h.start(up := await fake())
     template = tmp_path / "t.jinja"

@@ -40,9 +40,9 @@ from ..config import Settings
 from .backends import Backend
 from .embedded import EmbeddedProxy
 from .metrics import ProxyMetrics
-from .openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, OpenAIError, SSEReader, Translation, decode_json,
-                         error_body, model_body, models_body, native_body, native_error, parse_request,
-                         stream_error)
+from .openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader, Translation,
+                         decode_json, error_body, model_body, models_body, native_body, native_error,
+                         parse_request, stream_error)
 from .openai_model import ModelFacts, load_model_facts
 from .surface import (METHOD_NOT_ALLOWED, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_MODEL, OPENAI_MODELS,
                       Route)
@@ -51,6 +51,7 @@ _JSON = "application/json"
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # tell NGINX in front not to buffer the stream
 _ENDPOINTS = {OPENAI_COMPLETIONS: COMPLETIONS, OPENAI_CHAT: CHAT}
+BIG_BODY = 64 * 1024  # request bodies above this are translated in a worker thread
 # The client's own request headers that must not reach Triton with our translated body:
 # its encoding (we parse what comes back), its API key (meant for us), its body's type.
 _DROP_UPSTREAM = ("Accept-Encoding", "Authorization", "Content-Encoding", "Content-Type")
@@ -202,22 +203,13 @@ class OpenAIFrontend:
         body = await self._path.read_body(request)
         if not isinstance(body, bytes):
             return body  # 413, 408, 400 in the proxy's shape: translated by handle()
-        req = parse_request(endpoint, decode_json(body), self._settings.openai_max_tokens)
-        if req.model is not None and req.model != facts.served_name:
-            raise OpenAIError(404, f"The model {req.model!r} does not exist (this server serves "
-                              f"{facts.served_name!r}; see /v1/models)", param="model", code="model_not_found")
-        if endpoint == CHAT:
-            if facts.template is None:
-                raise OpenAIError(400, facts.no_template_why, param="messages", code="no_chat_template")
-            assert req.messages is not None
-            prompt = facts.template.render(req.messages)
-        else:
-            assert req.prompt is not None
-            prompt = req.prompt
+        translate = partial(_translate, endpoint, body, facts, self._settings.openai_max_tokens)
+        # Tens of microseconds for a usual request; a long conversation takes milliseconds to
+        # parse and render: those go to a thread so the loop keeps relaying other streams.
+        req, prompt, native_req = await asyncio.to_thread(translate) if len(body) > BIG_BODY else translate()
         tr = Translation(req, facts.served_name, prompt, keep_text=not facts.counts and facts.count_tokens is not None)
         relay = self._relay_stream if req.stream else self._relay_whole
-        call = NativeCall(body=native_body(req, prompt, facts.counts), api=api, timer=timer,
-                          relay=partial(relay, tr, facts, prompt))
+        call = NativeCall(body=native_req, api=api, timer=timer, relay=partial(relay, tr, facts, prompt))
         native = f"/v2/models/{quote(facts.triton_model, safe='')}/{'generate_stream' if req.stream else 'generate'}"
         return await self._path.forward(request, native, "", req.stream, call)
 
@@ -382,6 +374,23 @@ class OpenAIFrontend:
             self._log.debug("client %s left mid-stream (instance %s)", request.remote, iid)
             raise _ClientGone(resp)
         return resp
+
+
+def _translate(endpoint: str, body: bytes, facts: ModelFacts, chat_max_tokens: int) -> tuple[GenRequest, str, bytes]:
+    """An OpenAI request body -> (the request, the prompt, the native body); OpenAIError if refused."""
+    req = parse_request(endpoint, decode_json(body), chat_max_tokens)
+    if req.model is not None and req.model != facts.served_name:
+        raise OpenAIError(404, f"The model {req.model!r} does not exist (this server serves "
+                          f"{facts.served_name!r}; see /v1/models)", param="model", code="model_not_found")
+    if endpoint == CHAT:
+        if facts.template is None:
+            raise OpenAIError(400, facts.no_template_why, param="messages", code="no_chat_template")
+        assert req.messages is not None
+        prompt = facts.template.render(req.messages)
+    else:
+        assert req.prompt is not None
+        prompt = req.prompt
+    return req, prompt, native_body(req, prompt, facts.counts)
 
 
 def _whole(peeked: Any) -> bytes | None:
