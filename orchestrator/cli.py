@@ -280,6 +280,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     daemon = Daemon(settings, prepared.plan, prepared.build_command, sd,
                     gpu_holders=gpu_holders, gpu_usage=gpu_usage, reload_config=reload_config,
                     launcher=launcher, progress=LoadProgress())
+    # uvloop (libuv) when installed: the embedded proxy's per-request loop work costs less
+    # (issue 12); the asyncio loop otherwise, with the same behaviour.
+    from .proxy.embedded import install_uvloop_if_available
+    log.info("event loop: %s", "uvloop" if install_uvloop_if_available() else "asyncio")
     try:
         return asyncio.run(daemon.run())
     except KeyboardInterrupt:

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from yarl import URL
 
 from ..config import Settings, parse_host_port
 from ..errors import OrchError
@@ -50,13 +49,17 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
 from .prompt import prompt_of_json
 from .surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY, Surface
+from .upstream import (BadResponse, ConnectFailed, ConnectTimeout, Disconnected, HeadTimeout, UpstreamPool,
+                       UpstreamResponse)
 
 if TYPE_CHECKING:  # imported at run time only when the OpenAI API is on
     from .openai_frontend import NativeCall
 
-# Responses with a Content-Length up to this size are read whole and sent in one
-# write (fewer syscalls, and a drop mid-body becomes a clean 502 instead of a
-# truncated response). Larger, chunked and SSE bodies are relayed chunk by chunk.
+# Answers of non-streaming routes up to this size are read whole and sent in one write
+# with a Content-Length (fewer syscalls, and a drop mid-body becomes a clean 502 instead
+# of a truncated response), chunked ones too: Triton answers `generate` chunked, and
+# relaying that as it came cost three client writes (head, chunk, last chunk) instead of
+# one. Larger bodies and every SSE stream are relayed chunk by chunk as they arrive.
 BUFFER_MAX = 256 * 1024
 # Per-instance connection cap. Long streams each hold a connection, so no total
 # cap (it would starve short requests behind streams); the per-host cap only
@@ -148,7 +151,7 @@ class EmbeddedProxy:
                 read_body=self._read_body, forward=self._forward, settle=self._settle,
                 fail=self._upstream_failed, retry=_Retryable, metrics=self.metrics), self._log)
         self.apply_settings(settings)
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: UpstreamPool | None = None
         self._runner: web.ServerRunner | None = None
         self._metrics_runner: web.ServerRunner | None = None
         self._unsubscribe: Any = None
@@ -169,9 +172,11 @@ class EmbeddedProxy:
         self._allow_admin = settings.allow_admin
         self._first_byte_s = settings.first_byte_timeout_s or None
         self._hold.hold_s, self._hold.max_held = settings.hold_s, settings.max_held
-        # Per request, not per session: a reload changes them for the next request.
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=settings.connect_timeout_s,
-                                              sock_read=settings.idle_timeout_s)
+        # Per request, not per pool: a reload changes them for the next request. Idle
+        # timeouts only: the wait for the head and the silence between chunks; no total,
+        # so long generations are not cut.
+        self._connect_s = settings.connect_timeout_s or None
+        self._idle_s = settings.idle_timeout_s or None
         self._limits = ClientLimits(settings.client_header_timeout_s, settings.client_body_timeout_s,
                                     settings.max_client_connections)
         for server in self._servers:
@@ -184,18 +189,10 @@ class EmbeddedProxy:
         s = self._settings
         if self._openai is not None:
             await self._openai.start()  # reads the model's facts; a bad --chat-template stops `up` here
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=CONNECTIONS_PER_INSTANCE,
-                                         keepalive_timeout=UPSTREAM_KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            # Idle timeouts only: sock_read bounds the wait for headers and the
-            # silence between chunks; no total, so long generations are not cut.
-            timeout=self._timeout,
-            auto_decompress=False,  # relay bytes as the instance encoded them
-            cookie_jar=aiohttp.DummyCookieJar(),  # never mix one client's cookies into another's
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            trust_env=False,
-        )
+        # Our own lean HTTP/1.1 client (upstream.py): bytes are relayed as the instance
+        # encoded them, no cookies, no redirects, no headers of its own beyond Host and
+        # Content-Length.
+        self._pool = UpstreamPool(limit_per_host=CONNECTIONS_PER_INSTANCE, keepalive_s=UPSTREAM_KEEPALIVE_S)
         self._unsubscribe = self._backends.subscribe(self._on_backends)
         self._on_backends(self._backends.current())
         self._hold.start()
@@ -251,16 +248,16 @@ class EmbeddedProxy:
         await self._close_all()
 
     async def _close_all(self) -> None:
-        # Listeners before the session: no handler may start an upstream request
-        # on a closed session.
+        # Listeners before the upstream pool: no handler may start an upstream request
+        # on a closed pool.
         for attr in ("_runner", "_metrics_runner"):
             runner = getattr(self, attr)
             if runner is not None:
                 setattr(self, attr, None)
                 await runner.cleanup()
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
         if self._unsubscribe is not None:
             unsubscribe, self._unsubscribe = self._unsubscribe, None
             unsubscribe()
@@ -394,8 +391,8 @@ class EmbeddedProxy:
         if call is not None:
             call.headers(headers)
         method = request.method
-        session = self._session
-        if session is None or session.closed:
+        pool = self._pool
+        if pool is None or pool.closed:
             self.metrics.count(NO_INSTANCE, 503)
             return _error(503, "proxy is shutting down", {"Retry-After": RETRY_AFTER_S}, close=True)
         balancer = self._balancer
@@ -419,37 +416,37 @@ class EmbeddedProxy:
             iid = b.instance_id
             tried.append(iid)
             self.metrics.routed(balancer.policy, balancer.last_reason, iid)
-            # encoded=True: path and query are sent exactly as classified, no requoting.
-            target = URL.build(scheme="http", host=b.host, port=b.http_port, path=path,
-                               query_string=query, encoded=True)
+            # Path and query are sent exactly as classified, no requoting.
+            target = f"{path}?{query}" if query else path
             balancer.acquire(iid)
             gauge = self.metrics.inflight_child(iid)
             gauge.inc()
             try:
                 t0 = loop.time()
                 try:
-                    up = await asyncio.wait_for(
-                        session.request(method, target, headers=headers, data=body,
-                                        allow_redirects=False, timeout=self._timeout),
-                        self._first_byte_s)
-                except aiohttp.ClientConnectorError as exc:
+                    sent = pool.request(b.host, b.http_port, method, target, headers, body,
+                                        connect_timeout_s=self._connect_s, idle_timeout_s=self._idle_s)
+                    # wait_for only when asked for: it costs a task per request.
+                    up = await (sent if self._first_byte_s is None else
+                                asyncio.wait_for(sent, self._first_byte_s))
+                except ConnectFailed as exc:
                     raise _Retryable("connect_refused") from exc
-                except aiohttp.ConnectionTimeoutError as exc:
+                except ConnectTimeout as exc:
                     raise _Retryable("connect_timeout") from exc
-                except aiohttp.SocketTimeoutError:
+                except HeadTimeout:
                     # The instance took the request and went silent for idle_timeout_s:
                     # not retried (the work may be running), reported as a hang.
                     self._upstream_failed(b, "header_timeout")
                     self.metrics.count(iid, 504)
                     return _error(504, "instance did not answer within the idle timeout")
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                except Disconnected as exc:
                     raise _Retryable("disconnected") from exc
-                except aiohttp.ClientError as exc:  # e.g. an unparsable response
+                except BadResponse as exc:
                     self._upstream_failed(b, "bad_response")
                     self._log.warning("instance %s: bad response for %s: %r", iid, path, exc)
                     self.metrics.count(iid, 502)
                     return _error(502, "instance sent an invalid response")
-                except asyncio.TimeoutError as exc:  # after aiohttp's own timeouts (subclasses)
+                except asyncio.TimeoutError as exc:
                     # No response head within --first-byte-timeout-s: the request was
                     # cancelled there (the connection closed); nothing reached the client.
                     raise _Retryable("first_byte_timeout") from exc
@@ -504,7 +501,7 @@ class EmbeddedProxy:
             b.report_success()
 
     @staticmethod
-    async def _peek_error(up: aiohttp.ClientResponse) -> tuple[bytes, bool] | None:
+    async def _peek_error(up: UpstreamResponse) -> tuple[bytes, bool] | None:
         """The start of an error body and whether it is all of it (None: too large to look).
 
         Error bodies are small (Triton answers them chunked); reading one before
@@ -528,7 +525,7 @@ class EmbeddedProxy:
             raise _Retryable("disconnected") from exc
         return b"".join(parts), False
 
-    async def _relay(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
+    async def _relay(self, request: web.BaseRequest, up: UpstreamResponse, b: Backend,
                      stream: bool, peeked: tuple[bytes, bool] | None = None,
                      timer: TokenTimer | None = None) -> web.StreamResponse:
         """Send the instance's response to the client; `up` is always closed or released."""
@@ -543,23 +540,27 @@ class EmbeddedProxy:
             timer = None  # an error is no generation
         try:
             whole = peeked is not None and peeked[1]
-            if whole or (
-                    not stream and length is not None and length.isdigit() and int(length) <= BUFFER_MAX
-                    and "Transfer-Encoding" not in uh and not ctype.startswith(_SSE)):
+            data = peeked[0] if peeked is not None else b""
+            if not whole and not stream and not ctype.startswith(_SSE) and (
+                    length is None or (length.isdigit() and int(length) <= BUFFER_MAX)):
+                # A plain answer (Triton's are chunked, without a length): read it whole if it
+                # is small, to send it in one write.
                 try:
-                    data = peeked[0] if whole else await up.read()
+                    data, whole = await self._read_upto(up, data, BUFFER_MAX)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    self._upstream_failed(b, "body_error")
+                    self._upstream_failed(b, "idle_timeout" if isinstance(exc, asyncio.TimeoutError)
+                                          else "body_error")
                     self.metrics.count(iid, 502)
                     self._log.debug("instance %s: body failed: %r", iid, exc)
                     return _error(502, "instance dropped the connection mid-response")
+            if whole:
                 self.metrics.count(iid, status)
                 clean = True
                 if timer is not None:
                     timer.events(iid)  # the whole answer is its one event
                 return web.Response(status=status, reason=up.reason, body=data,
                                     headers=client_response_headers(uh, keep_length=False))
-            resp, clean = await self._stream(request, up, b, length, peeked[0] if peeked else b"", timer)
+            resp, clean = await self._stream(request, up, b, length, data, timer)
             return resp
         finally:
             # release() returns a fully read connection to the pool; close() drops
@@ -569,7 +570,20 @@ class EmbeddedProxy:
             else:
                 up.close()
 
-    async def _stream(self, request: web.BaseRequest, up: aiohttp.ClientResponse, b: Backend,
+    @staticmethod
+    async def _read_upto(up: UpstreamResponse, head: bytes, limit: int) -> tuple[bytes, bool]:
+        """The body from `head` on, up to just past `limit` bytes, and whether that is all of it."""
+        parts = [head] if head else []
+        total = len(head)
+        while total <= limit:
+            chunk = await up.readany()
+            if not chunk:
+                return b"".join(parts), True
+            parts.append(chunk)
+            total += len(chunk)
+        return b"".join(parts), False
+
+    async def _stream(self, request: web.BaseRequest, up: UpstreamResponse, b: Backend,
                       length: str | None, head: bytes = b"",
                       timer: TokenTimer | None = None) -> tuple[web.StreamResponse, bool]:
         """Relay chunk by chunk (`head`: already read); True when the response was read to its end."""
