@@ -187,3 +187,18 @@ def test_prompt_of_grpc_raw_and_inline_contents():
     inline = _field(1, b"ensemble") + _field(3, tensor("text_input") + _field(5, _field(8, text)))
     assert prompt_of_grpc(inline) == "the prompt"
     assert prompt_of_grpc(b"\xff\xff\xff") is None and prompt_of_grpc(_field(1, b"m")) is None
+
+
+def test_foreign_work_is_counted_against_what_we_had_in_flight_when_the_engine_was_scraped():
+    # The snapshot (50 ms old) shows the 3 requests we had there then; 2 have finished since.
+    a = backend("0", snap(active=3, at=NOW - 0.05))
+    b = backend("1", snap(active=1, at=NOW - 0.05))
+    policy = KvAware(random.Random(1), clock=lambda: NOW - 0.1)
+    assert policy.choose([a, b], {"1"}, {"0": 2, "1": 1}).instance_id == "0"
+    # noted: "0" had 3 (2 + the one it just got), "1" had 1
+    assert loads([a, b], {"0": 1, "1": 1}, NOW, policy.history) == {"0": 1.0, "1": 1.0}
+    # Without the history, those two finished requests would count as someone else's work.
+    assert loads([a, b], {"0": 1, "1": 1}, NOW) == {"0": 3.0, "1": 1.0}
+    # Work we never sent still counts.
+    c = backend("0", snap(active=6, at=NOW - 0.05))
+    assert loads([c, b], {"0": 1, "1": 1}, NOW, policy.history)["0"] == 1 + (6 - 3)

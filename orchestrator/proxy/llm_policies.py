@@ -3,12 +3,17 @@
 Both measure an instance's load in requests:
     ours     requests this proxy has in flight there (exact, instant);
     foreign  requests the engine holds that we did not send (another proxy, a
-             direct client): active + waiting from its last snapshot, minus ours;
+             direct client): active + waiting from its last snapshot, minus what we
+             had in flight there when that snapshot was taken (`InflightHistory`);
     kv       KV-cache pressure: a nearly full cache makes new prompts wait for
              blocks whatever the free batch slots, so used/max counts as up to
              half a batch of extra load.
 Engine numbers lag (a scrape every 100 ms), which is why our own count is the
-base and the engine only adds what we cannot see. When any candidate's snapshot
+base and the engine only adds what we cannot see. Subtracting today's count from
+a snapshot up to 100 ms old would count our own requests that finished since as
+foreign, and so steer away from the instance that just freed its slots (on
+routing_bench's workload B that took TTFT p90 from 198 to 244 ms in
+bench/routing_sim.py). When any candidate's snapshot
 is stale (or the server exports no TRT-LLM metrics) every candidate is measured
 by `ours` alone, so loads stay comparable.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +35,18 @@ from .backends import Backend
 from .prefix_index import PrefixIndex, chunk_keys
 
 KV_WEIGHT = 0.5  # a full KV cache counts as half a batch of extra requests
+# prefix-affinity follows a holder while its load is within this many requests of the least
+# loaded instance. A spill is not a one-off: the spill target becomes a holder too and the
+# prefix is split between both from then on, so where the caches cannot hold every prefix
+# twice, each spill lowers the hit rate for good. bench/routing_sim.py (routing_bench's
+# workload A, 12 tenants x 2048-token prefixes on 2 x 8 slots, 120 s): slack 4 spilled in
+# the first seconds and ended near least-outstanding's hit rate (0.62-0.66, TTFT p90 44 s
+# at 22 req/s); 10 spilled 6 times (hit 0.88 at 22 req/s, 0.82 at 26); 12 and 16 spilled
+# 0-2 times (hit 0.95, p90 0.2-0.3 s at 22-26 req/s). The price is paid by one
+# hot prefix at moderate load, which stays on one instance until the slack is reached:
+# at 12 req/s TTFT p90 71 ms with 12 (shares 0.67/0.33), 183 ms with 16 (1.00/0.00),
+# 53 ms with 4 or least-outstanding.
+DEFAULT_SLACK = 12.0
 
 
 @dataclass(frozen=True)
@@ -42,7 +60,43 @@ class RouteHints:
         return cls(tuple(chunk_keys(prompt))) if prompt else None
 
 
-def loads(backends: Sequence[Backend], inflight: Mapping[str, int], now: float) -> dict[str, float]:
+class InflightHistory:
+    """Our in-flight count per instance over the last `keep_s`, noted after every choice.
+
+    The count rises only by a choice (the proxy acquires what the policy chose), and the
+    chosen instance is noted with its new request counted, so between two notes the count
+    can only have fallen: a note is an upper bound until the next one, and `foreign`
+    computed from it errs low (towards least-outstanding), never high.
+    """
+
+    def __init__(self, keep_s: float = 2.0) -> None:
+        self.keep_s = keep_s
+        self._notes: dict[str, deque[tuple[float, int]]] = {}
+
+    def note(self, now: float, backends: Sequence[Backend], inflight: Mapping[str, int], chosen: str) -> None:
+        for b in backends:
+            iid = b.instance_id
+            n = inflight.get(iid, 0) + (iid == chosen)
+            notes = self._notes.get(iid)
+            if notes is None:
+                notes = self._notes[iid] = deque()
+            if not notes or notes[-1][1] != n:
+                notes.append((now, n))
+            while len(notes) > 1 and notes[1][0] <= now - self.keep_s:
+                notes.popleft()  # keeps the last note older than keep_s: it covers until the next
+
+    def at(self, instance_id: str, when: float) -> int | None:
+        """Our count there at `when` (an upper bound), or None when nothing was noted before it."""
+        found = None
+        for t, n in reversed(self._notes.get(instance_id, ())):
+            if t <= when:
+                found = n
+                break
+        return found
+
+
+def loads(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
+          history: InflightHistory | None = None) -> dict[str, float]:
     """instance_id -> load in requests (see the module doc)."""
     snaps = {}
     for b in backends:
@@ -53,7 +107,8 @@ def loads(backends: Sequence[Backend], inflight: Mapping[str, int], now: float) 
     out = {}
     for iid, snap in snaps.items():
         ours = inflight.get(iid, 0)
-        foreign = max(0, snap.active + snap.queued - ours)
+        then = history.at(iid, snap.at) if history is not None else None
+        foreign = max(0, snap.active + snap.queued - (ours if then is None else then))
         capacity = snap.max_active or 1
         out[iid] = ours + foreign + KV_WEIGHT * capacity * snap.kv_fraction
     return out
@@ -71,6 +126,7 @@ class KvAware:
     def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
         self._rng = rng
         self._clock = clock
+        self.history = InflightHistory()
         self.last_reason = ""
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
@@ -78,18 +134,22 @@ class KvAware:
         candidates = [b for b in backends if b.instance_id not in skip]
         if not candidates:
             return None
-        load = loads(candidates, inflight, self._clock())
+        now = self._clock()
+        load = loads(candidates, inflight, now, self.history)
         self.last_reason = "load"
-        return _least(candidates, load, self._rng)
+        chosen = _least(candidates, load, self._rng)
+        self.history.note(now, backends, inflight, chosen.instance_id)
+        return chosen
 
 
 class PrefixAffinity:
     def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic,
-                 index: PrefixIndex | None = None, slack: float = 4.0) -> None:
+                 index: PrefixIndex | None = None, slack: float = DEFAULT_SLACK) -> None:
         self._rng = rng
         self._clock = clock
-        self.index = index or PrefixIndex(clock=clock)
+        self.index = index if index is not None else PrefixIndex(clock=clock)
         self.slack = slack
+        self.history = InflightHistory()
         self.last_reason = ""
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
@@ -97,7 +157,8 @@ class PrefixAffinity:
         candidates = [b for b in backends if b.instance_id not in skip]
         if not candidates:
             return None
-        load = loads(candidates, inflight, self._clock())
+        now = self._clock()
+        load = loads(candidates, inflight, now, self.history)
         keys = list(hints.prompt_keys) if hints is not None else []
         chosen = None
         if keys:
@@ -120,6 +181,7 @@ class PrefixAffinity:
             chosen = _least(candidates, load, self._rng)
         if keys:
             self.index.record(keys, chosen.instance_id)
+        self.history.note(now, backends, inflight, chosen.instance_id)
         return chosen
 
     def forget(self, instance_id: str) -> None:
