@@ -14,8 +14,9 @@ cost that makes a cached prefix clearly cheaper, and a few in-flight batch slots
 Targets, all in front of the same two instances:
   round-robin, least-outstanding, kv-aware, prefix-affinity
       the daemon's embedded proxy; the policy is switched by rewriting `lb_policy` in the
-      --config file and `trtllm-orch reload` (applied at once; the reload's rolling restart
-      also empties both instances' KV caches, so each visit starts cold)
+      --config file and `trtllm-orch reload` (applied at once, nothing restarts; each
+      visit's tenants have prefixes of their own, so caches left by earlier visits do
+      not help it)
   nginx
       a private NGINX from the config `--proxy nginx` renders (bench.common.SideNginx:
       same template, `least_conn`, keepalive, retries), pointed at the same instances

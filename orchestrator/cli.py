@@ -393,7 +393,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
         error = OrchError(body.get("error", "reload refused"))
         error.exit_code = body.get("exit_code", error.exit_code)
         raise error
-    print("rolling restart started")
+    print("rolling restart started" if body.get("rolling_restart") else
+          "config applied in place (no launch setting changed: nothing restarted)")
     return EXIT_OK
 
 

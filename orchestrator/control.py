@@ -27,7 +27,7 @@ class ControlTarget(Protocol):
 
     def restart_instance(self, instance_id: str) -> str | None: ...
 
-    async def reload(self, why: str) -> None: ...
+    async def reload(self, why: str) -> bool: ...
 
 
 class ControlServer:
@@ -74,11 +74,11 @@ class ControlServer:
 
     async def _reload(self, request: web.Request) -> web.Response:
         try:
-            await self._daemon.reload("reload requested")
+            restarting = await self._daemon.reload("reload requested")
         except OrchError as exc:
             # exit_code tells the CLI whether the config was bad (2) or the time was (1).
             return web.json_response({"error": str(exc), "exit_code": exc.exit_code}, status=409)
-        return web.json_response({"rolling_restart": True}, status=202)
+        return web.json_response({"rolling_restart": restarting}, status=202)
 
 
 async def call(socket_path: Path, method: str, path: str, timeout_s: float = 10.0) -> tuple[int, Any]:

@@ -330,26 +330,32 @@ class Daemon:
         return None
 
     # --- reload: new config, rolling restart ----------------------------------------------
-    async def reload(self, why: str) -> None:
-        """Re-read the config, apply it, restart the instances one at a time.
+    async def reload(self, why: str) -> bool:
+        """Re-read the config, apply it, and restart the instances one at a time when needed.
 
-        Raises OrchError (one line naming the field) when the new config is invalid or
-        changes what needs `down`/`up`; then nothing changes. Returns once the rolling
-        restart is under way.
+        Fields that apply at once (health, routing, proxy knobs) restart nothing: a
+        restart would empty every engine's KV cache for no reason. A changed launch
+        command (model repository, tritonserver args...) or an unchanged config (a
+        restart on demand) starts a rolling restart. Raises OrchError (one line naming
+        the field) when the new config is invalid or changes what needs `down`/`up`;
+        then nothing changes. Returns whether a rolling restart is under way.
         """
         if self._stop.is_set():
             raise OrchError("the daemon is stopping")
         if self._reload_task and not self._reload_task.done():
             raise OrchError("a rolling restart is already running")
-        new = None
         if self._reload_config is not None:
             new = await asyncio.to_thread(self._reload_config)
             changed = reload_changes(self.settings, new.settings)  # raises for a fixed field
             self._apply(new, changed)
+            if changed and not any(name in APPLIED_AT_RELAUNCH for name in changed):
+                log.info("reload (%s): applied in place, no restart needed", why)
+                return False
         if self._notifier is not None:
             self._notifier.reloading()  # `systemctl reload` waits for the READY=1 at its end
         self._reload_task = asyncio.get_running_loop().create_task(self._rolling_restart(why),
                                                                     name="rolling-restart")
+        return True
 
     async def _reload_logged(self, why: str) -> None:
         try:

@@ -146,11 +146,11 @@ def test_llm_metrics_match_what_the_client_measured(orch_run):
     assert total(m, "trtllm_orch_proxy_output_events_total", api="ModelStreamInfer") == grpc_events
     assert total(m, "trtllm_orch_proxy_inter_token_seconds_count", api="generate_stream") == \
         sse_events - N_STREAM
-    assert total(m, "trtllm_orch_proxy_routing_decisions_total", policy="least-outstanding") == \
+    assert total(m, "trtllm_orch_proxy_routing_decisions_total", policy="prefix-affinity") == \
         N_STREAM + N_PLAIN + N_GRPC
     assert total(m, "trtllm_orch_proxy_held_requests") == 0
     assert total(m, "trtllm_orch_proxy_retries_total") == 0
-    # both instances served (least-outstanding with 4 in flight)
+    # both instances served (the default prefix-affinity routes these short prompts by load)
     per_instance = {dict(labels)["instance"] for (n, labels), v in m.items()
                     if n == f"{ttft}_count" and v > 0}
     assert per_instance == {"0", "1"}
@@ -175,7 +175,7 @@ def test_llm_metrics_match_what_the_client_measured(orch_run):
     assert sum(x["generations"] for x in llm) == N_STREAM + N_PLAIN + N_GRPC
     assert all(x["ttft_p50_ms"] > 0 and x["tokens_per_s"] > 0 for x in llm), llm
     assert status["daemon"]["tokens_per_s"] > 0 and status["daemon"]["held"] == 0
-    assert status["daemon"]["lb_policy"] == "least-outstanding"
+    assert status["daemon"]["lb_policy"] == "prefix-affinity"
     all_client = sorted(stream_ttft + plain_ttft + grpc_ttft)
     p50_status = statistics.median(x["ttft_p50_ms"] for x in llm) / 1000
     assert p50_status <= all_client[-1] + 0.005, (p50_status, all_client)

@@ -84,7 +84,7 @@ def test_top_in_a_terminal_follows_a_kill_and_quits(orch_run, tmp_path):
         screen = pane.wait_for(lambda s: "READY" in row(s, "0") and "READY" in row(s, "1"), 30,
                                "both instances READY")
         assert "trtllm-orch top" in screen and f"127.0.0.1:{run.listen_port}" in screen
-        assert "policy least-outstanding" in screen and "q or Ctrl-C: quit" in screen
+        assert "policy prefix-affinity" in screen and "q or Ctrl-C: quit" in screen
         for name in ("STATE", "GPUS", "UPTIME", "RESTARTS", "INFLIGHT", "WAITING", "ACTIVE", "KV",
                      "TTFT p50", "TOK/s"):
             assert name in screen, name
