@@ -331,6 +331,16 @@ async def test_ttft_metrics_by_api(h):
     assert 'trtllm_orch_proxy_requests_total{code="200",instance="0"} 2.0' in text
 
 
+async def test_prefix_affinity_routes_on_the_rendered_prompt(h):
+    a, b = await fake(), await fake()
+    await h.start(a, b, lb_policy="prefix-affinity")
+    system = "You are the assistant of tenant one. " * 40  # many prefix chunks, shared by every request
+    for i in range(6):
+        await h.client().chat.completions.create(model="ensemble", max_tokens=1, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}])
+    assert sorted((len(a.requests), len(b.requests))) == [0, 6]  # one instance holds the prefix
+
+
 async def test_long_conversation(h):
     await h.start(up := await fake())
     long = "word " * 20000  # over BIG_BODY: parsed and rendered in a worker thread

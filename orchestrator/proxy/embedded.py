@@ -385,7 +385,9 @@ class EmbeddedProxy:
         if not await self._hold.ready():
             self.metrics.count(NO_INSTANCE, 503)
             return _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
-        hints = RouteHints.from_prompt(prompt_of_json(body)) if self._balancer.wants_prompt else None
+        hints = None
+        if self._balancer.wants_prompt:  # an OpenAI call has its prompt already: no second parse
+            hints = RouteHints.from_prompt(call.prompt if call is not None else prompt_of_json(body))
         peer = request.remote
         headers = upstream_request_headers(request.headers, peer, peer in self._trusted)
         if call is not None:

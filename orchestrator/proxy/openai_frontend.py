@@ -78,6 +78,7 @@ class NativeCall:
 
     body: bytes
     api: str
+    prompt: str  # what the model reads (chat: rendered), for routing on its prefix
     timer: Any  # the proxy metrics' TokenTimer for this request, or None
     relay: Relay  # relay(request, upstream response, backend, peeked, timer)
 
@@ -209,7 +210,7 @@ class OpenAIFrontend:
         req, prompt, native_req = await asyncio.to_thread(translate) if len(body) > BIG_BODY else translate()
         tr = Translation(req, facts.served_name, prompt, keep_text=not facts.counts and facts.count_tokens is not None)
         relay = self._relay_stream if req.stream else self._relay_whole
-        call = NativeCall(body=native_req, api=api, timer=timer, relay=partial(relay, tr, facts, prompt))
+        call = NativeCall(body=native_req, api=api, prompt=prompt, timer=timer, relay=partial(relay, tr, facts, prompt))
         native = f"/v2/models/{quote(facts.triton_model, safe='')}/{'generate_stream' if req.stream else 'generate'}"
         return await self._path.forward(request, native, "", req.stream, call)
 
