@@ -30,8 +30,11 @@ def test_acceptance_script_runs_without_nvml(tmp_path):
     results = {c["check"]: c["result"] for c in report["checks"]}
     assert results["placement through NVML"] == "SKIPPED"
     assert results["kill -9 under load: no failed request"] == "PASS"
+    assert results["SIGSTOP of the rank's tritonserver under load: no failed request"] == "PASS"
+    assert results["each rank's allowed CPUs/memory nodes as planned (check_rank_affinity)"] == "PASS"
     assert results["no process of the run left"] == "PASS"
-    assert report["failed"] == 0 and report["passed"] >= 7
-    kill = report["timings"]["0-3/tp2"]["kill"]
-    assert kill["kill_to_out_of_rotation_s"] < kill["kill_to_ready_s"]
+    assert report["failed"] == 0 and report["passed"] >= 12
+    for fault in ("kill", "sigstop"):
+        t = report["timings"]["0-3/tp2"][fault]
+        assert t["to_out_of_rotation_s"] < t["to_ready_s"], t
     assert Path(tmp_path).glob("gpu-acceptance-cpu-only-*.md")

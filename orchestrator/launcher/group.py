@@ -27,22 +27,32 @@ from ..health.exit_watch import ExitWatcher
 from ..plan import InstancePlan
 from .command import LaunchCommand, shm_prefix, shm_scope
 from .logfile import RotatingLog, pump
-from .process_tree import OsOps, stop_processes
+from .process_tree import OsOps, alive, stop_processes
 
 log = logging.getLogger("trtllm-orch")
 
 # systemd's notify/watchdog variables are the daemon's alone (NotifyAccess=main).
 _DAEMON_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
 
-# Grace for the survivors of a group that already failed (see stop()).
-# 0.3 s: on the H200 acceptance run a 1 s grace was spent in full on every restart
-# (GPUs free after 0.2 s, relaunch after 1.2 s); a broken TP group has nothing to drain.
+# A group that already failed has nothing to drain (a TP job missing a rank cannot
+# answer): stop() SIGKILLs all of it at once, mpirun included (prterun took ~0.3 s to
+# exit on SIGTERM once its ranks were gone, and a rank blocked in a collective does
+# not act on SIGTERM). On the H200 acceptance run a 0.3 s grace for the survivors was
+# spent in full on every TP2 restart. This grace is only for failed groups whose
+# processes cannot be SIGKILLed from here (launcher.slurm: the step's node).
 FAILED_GROUP_GRACE_S = 0.3
+# How long the SIGKILLed processes of a failed group may take to be gone (a process
+# in the GPU driver exits when the driver lets it) before stop() goes on regardless.
+KILL_WAIT_S = 30.0
+RESCAN_EVERY_S = 0.2
+KILL_POLL_S = 0.005
 
 # How long stop() waits for ports and GPUs to be released before it gives up and
-# lets the next start report what still holds them.
+# lets the next start report what still holds them, and how often it looks (off the
+# loop; on the H200 machine one look at NVML's process lists of two GPUs took ~8 ms
+# while the driver was tearing contexts down).
 RELEASE_TIMEOUT_S = 10.0
-RELEASE_POLL_S = 0.05
+RELEASE_POLL_S = 0.002
 
 
 class LaunchFailed(Exception):
@@ -140,10 +150,10 @@ class ProcessGroup:
         """Every process of the group gone, ports free, GPUs released, shm cleaned.
 
         A clean stop gives every process `grace_s` to finish its requests. A failed
-        group has nothing left to drain (a TP job missing a rank cannot answer), so its
-        orphans (a dead rank's Python stubs, often blocked mid-request and deaf to
-        SIGTERM) are SIGKILLed at once and the rest get a short grace: restart overhead
-        is what clients wait for.
+        group has nothing left to drain (a TP job missing a rank cannot answer; its
+        ranks and stubs are often blocked mid-collective and deaf to SIGTERM), so all
+        of it, mpirun included, is SIGKILLed at once: restart overhead is what clients
+        wait for.
         """
         self._stopping = True
         t0 = time.monotonic()
@@ -151,21 +161,31 @@ class ProcessGroup:
             self._watcher.unwatch(pid)
         iid = self.plan.instance_id
         root = self.mpirun.pid if self.mpirun is not None else None
-        procs = await asyncio.to_thread(self._ops.group_processes, self._state_dir, iid, root)
         pgids = [root] if self.running else []  # its own session: pgid == pid
+        known = list(self.pids)
         if failed:
-            grace_s = min(grace_s, FAILED_GROUP_GRACE_S)
-            orphans = await asyncio.to_thread(lambda: [p.pid for p in procs if _orphaned(p)])
-            for pid in orphans:
+            # What we know of the group dies before the /proc scan that finds the rest:
+            # every millisecond here is one more of the GPU driver's teardown to wait for.
+            for pgid in pgids:
+                self._ops.killpg(pgid, signal.SIGKILL)
+            for pid in known:
                 self._ops.kill(pid, signal.SIGKILL)
+        procs = await asyncio.to_thread(self._ops.group_processes, self._state_dir, iid, root)
 
         async def rescan() -> list[psutil.Process]:
             return await asyncio.to_thread(self._ops.group_processes, self._state_dir, iid, None)
 
-        killed = await stop_processes(procs, grace_s, self._ops, pgids=pgids, rescan=rescan)
+        killed: list[int] = []
+        at_once: list[int] = []
+        if failed:
+            grace_s = 0.0
+            at_once = await self._kill_all(procs, pgids, rescan, known)
+            self.log.note(f"SIGKILLed at once (failed group, nothing to drain): {at_once}")
+        else:
+            killed = await stop_processes(procs, grace_s, self._ops, pgids=pgids, rescan=rescan)
+            if killed:
+                self.log.note(f"SIGKILLed after {grace_s:g}s grace: {killed}")
         t_killed = time.monotonic()
-        if killed:
-            self.log.note(f"SIGKILLed after {grace_s:g}s grace: {killed}")
         if self.mpirun is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.mpirun.wait(), 5)
@@ -175,10 +195,41 @@ class ProcessGroup:
         stopped_pids = set(self.pids) | {p.pid for p in procs}  # before READY, self.pids is only mpirun
         self.mpirun, self.pids, self.command = None, [], None
         await asyncio.to_thread(self._ops.unlink_shm, self._shm_prefixes())
-        await self._wait_released(stopped_pids)
-        log.debug("instance=%s stop: processes %.3fs (%d SIGKILLed, grace %gs), reap+log %.3fs, "
-                  "release %.3fs", iid, t_killed - t0, len(killed), grace_s, t_reaped - t_killed,
-                  time.monotonic() - t_reaped)
+        released = await self._wait_released(stopped_pids)
+        how = f"{len(at_once)} SIGKILLed at once" if failed else f"{len(killed)} SIGKILLed after {grace_s:g}s grace"
+        log.debug("instance=%s stop: processes %.3fs (%s), reap+log %.3fs, release %.3fs (%s)", iid,
+                  t_killed - t0, how, t_reaped - t_killed, time.monotonic() - t_reaped, released)
+
+    async def _kill_all(self, procs: list[psutil.Process], pgids: list[int], rescan,
+                        signalled_before: list[int]) -> list[int]:
+        """SIGKILL every process (and mpirun's process group) now; wait until they are gone.
+
+        A process that appears meanwhile (a rank forking a stub) is SIGKILLed as found.
+        Returns the pids signalled, `signalled_before` (SIGKILLed by the caller) included."""
+        for pgid in pgids:
+            self._ops.killpg(pgid, signal.SIGKILL)
+        live = {p.pid: p for p in procs}
+        for pid in live:
+            self._ops.kill(pid, signal.SIGKILL)
+        signalled = set(live) | set(signalled_before)
+        deadline = time.monotonic() + KILL_WAIT_S
+        next_rescan = time.monotonic() + RESCAN_EVERY_S
+        while time.monotonic() < deadline:
+            live = {pid: p for pid, p in live.items() if alive(p)}
+            if not live or time.monotonic() >= next_rescan:
+                late = [p for p in await rescan() if p.pid not in signalled]
+                for p in late:
+                    self._ops.kill(p.pid, signal.SIGKILL)
+                    signalled.add(p.pid)
+                    live[p.pid] = p
+                next_rescan = time.monotonic() + RESCAN_EVERY_S
+                if not live:
+                    break
+            await asyncio.sleep(KILL_POLL_S)
+        else:
+            log.warning("instance=%s pids %s still alive %.0fs after SIGKILL", self.plan.instance_id,
+                        sorted(live), KILL_WAIT_S)
+        return sorted(signalled)
 
     async def _end_tasks(self) -> None:
         for task in (self._exit_wait, self._pump):
@@ -194,33 +245,59 @@ class ProcessGroup:
         scope = shm_scope(self._state_dir)
         return [shm_prefix(self.plan.instance_id, rank, scope) for rank in range(self.plan.tp)]
 
-    async def _wait_released(self, pids: set[int]) -> None:
-        """Ports free and (with NVML) the group's GPUs no longer hold its processes."""
-        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    async def _wait_released(self, pids: set[int]) -> str:
+        """Ports free and (with NVML) the group's GPUs no longer hold its processes.
+
+        Returns what it saw, for the stop's debug line: when the ports and the GPUs
+        were free, relative to the call, and how many polls it took."""
+        t0 = time.monotonic()
+        deadline = t0 + RELEASE_TIMEOUT_S
         ports = self.plan.ports.all()
         busy: list[str] = []
         holders: set[int] = set()
+        ports_free_at = gpus_free_at = None
+        polls = 0
+        pending = tuple(self.plan.gpus)
         while time.monotonic() < deadline:
-            busy, holders, strangers = await asyncio.to_thread(self._held, ports, pids)
+            # Ports once free stay ours to take, and so does a GPU that no longer lists our
+            # processes (they are gone): from then on only the rest is asked.
+            busy, holders, strangers, pending = await asyncio.to_thread(
+                self._held, ports if ports_free_at is None else (), pids, pending)
+            polls += 1
+            now = time.monotonic() - t0
+            if not busy and ports_free_at is None:
+                ports_free_at = now
+            if not holders and gpus_free_at is None:
+                gpus_free_at = now
             if not busy and not holders:
-                return
+                return f"ports free +{ports_free_at:.3f}s, GPUs free +{gpus_free_at:.3f}s, {polls} polls"
             if strangers:
                 # Another program holds the port: waiting cannot free it, and the next
                 # start reports who holds it (BACKOFF) instead of stalling here for 10 s.
-                return
+                return f"port(s) {', '.join(busy)} held by another program"
             await asyncio.sleep(RELEASE_POLL_S)
         log.warning("instance=%s resources still held %.0fs after stop (ports %s, GPU pids %s)",
                     self.plan.instance_id, RELEASE_TIMEOUT_S, busy, sorted(holders))
+        return f"still held after {RELEASE_TIMEOUT_S:g}s: ports {busy}, GPU pids {sorted(holders)}"
 
-    def _held(self, ports: tuple[int, ...], pids: set[int]) -> tuple[list[str], set[int], bool]:
-        """(taken ports, our pids still on the GPUs, whether the ports are held by a stranger)."""
+    def _held(self, ports: tuple[int, ...], pids: set[int],
+              gpus: tuple[int, ...]) -> tuple[list[str], set[int], bool, tuple[int, ...]]:
+        """(taken ports, our pids still on `gpus`, whether the ports are held by a stranger,
+        the GPUs among `gpus` that still list our pids)."""
         busy = self._ops.taken_ports(self.plan.bind_address, ports)
-        holders = self._gpu_holders(self.plan.gpus) & pids if self._gpu_holders is not None else set()
+        holders: set[int] = set()
+        still = []
+        if self._gpu_holders is not None:
+            for gpu in gpus:  # one GPU at a time: a freed GPU is not asked again
+                on = self._gpu_holders((gpu,)) & pids
+                if on:
+                    holders |= on
+                    still.append(gpu)
         strangers = False
         if busy and not holders:
             owners = self._ops.listening_pids(ports)
             strangers = owners is not None and not owners & pids
-        return busy, holders, strangers
+        return busy, holders, strangers, tuple(still)
 
 
 def _name(proc: psutil.Process) -> str:
@@ -228,10 +305,3 @@ def _name(proc: psutil.Process) -> str:
         return proc.name()
     except psutil.Error:
         return "process"
-
-
-def _orphaned(proc: psutil.Process) -> bool:
-    try:
-        return proc.ppid() == 1
-    except psutil.Error:
-        return False
