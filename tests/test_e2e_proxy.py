@@ -475,7 +475,10 @@ def test_no_instance_ready_is_503(orch):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{run.grpc_port}")
     try:
         with pytest.raises(InferenceServerException) as exc:
-            client.infer("ensemble", _ensemble_inputs(grpcclient, np, "none", 1), client_timeout=10)
+            # A deadline past the proxy's hold (--hold-s, 10 s by default): the proxy's own
+            # answer must arrive, not the client's DEADLINE_EXCEEDED (at exactly the hold the
+            # two race, whatever the event loop).
+            client.infer("ensemble", _ensemble_inputs(grpcclient, np, "none", 1), client_timeout=20)
         assert exc.value.status() == "StatusCode.UNAVAILABLE", exc.value
     finally:
         client.close()
