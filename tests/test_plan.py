@@ -164,3 +164,32 @@ def test_unknown_mpi_is_clear_error():
     from orchestrator.errors import EnvironmentProblem
     with pytest.raises(EnvironmentProblem, match="unknown MPI launcher"):
         parse_version_text("Intel(R) MPI Library for Linux* OS, Version 2021", "/x/mpirun")
+
+
+def _h200x2_plan(tp=2):
+    from pathlib import Path
+    from orchestrator.topology import load_topology
+    topo = load_topology(str(Path(__file__).parent / "data" / "topo-h200x2-nvlink.json"))
+    return make_plan((0, 1), tp, 9000, "127.0.0.1", topology=topo, placement="ordered")
+
+
+def test_ranks_make_no_pools_on_the_other_gpus_of_their_group():
+    # Each rank sees the whole group; without this it held a CUDA context on every GPU of
+    # it (tritonserver's default 64 MiB pool per device), which slowed a restart's release.
+    inst = _h200x2_plan().instances[0]
+    r0 = rank_args(inst, 0, "/m", ("tensorrt_llm",), ())
+    r1 = rank_args(inst, 1, "/m", ("tensorrt_llm",), ())
+    assert [a for a in r0 if "pool-byte-size" in a] == ["--cuda-memory-pool-byte-size=1:0"]
+    assert [a for a in r1 if "pool-byte-size" in a] == ["--cuda-memory-pool-byte-size=0:0",
+                                                         "--pinned-memory-pool-byte-size=0"]
+
+
+def test_pool_flags_not_added_without_nvml_or_for_tp1_and_user_overrides_win():
+    assumed = make_plan((0, 1), 2, 9000, "127.0.0.1").instances[0]  # --assume-gpus: no topology
+    assert not any("pool-byte-size" in a for a in rank_args(assumed, 1, "/m", (), ()))
+    for inst in _h200x2_plan(tp=1).instances:
+        assert not any("pool-byte-size" in a for a in rank_args(inst, 0, "/m", (), ()))
+    inst = _h200x2_plan().instances[0]
+    extra = ("--cuda-memory-pool-byte-size=0:1024", "--pinned-memory-pool-byte-size", "4096")
+    r1 = rank_args(inst, 1, "/m", (), extra)
+    assert [a for a in r1 if "pool-byte-size" in a] == list(extra[:2])

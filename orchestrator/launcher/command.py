@@ -69,13 +69,53 @@ def shm_prefix(instance_id: str, rank: int, scope: str = "") -> str:
     return f"orch_i{instance_id}_r{rank}_" + (f"{scope}_" if scope else "")
 
 
+CUDA_POOL_FLAG = "--cuda-memory-pool-byte-size"
+PINNED_POOL_FLAG = "--pinned-memory-pool-byte-size"
+
+
+def _flag_values(extra: tuple[str, ...], flag: str) -> list[str]:
+    """Values given to `flag` in the user's tritonserver args (`--f=v` or `--f v`)."""
+    values = []
+    for i, arg in enumerate(extra):
+        if arg.startswith(flag + "="):
+            values.append(arg[len(flag) + 1:])
+        elif arg == flag and i + 1 < len(extra):
+            values.append(extra[i + 1])
+    return values
+
+
+def own_gpu_only_args(inst: InstancePlan, rank: int, extra: tuple[str, ...]) -> list[str]:
+    """Keep each rank's tritonserver off the other GPUs of its group.
+
+    Every rank sees all of its group's GPUs (CUDA_VISIBLE_DEVICES), and tritonserver by
+    default makes a 64 MiB CUDA memory pool on every GPU it sees, so each rank held a CUDA
+    context on every GPU of the group, and a restart waited for the driver to tear down
+    tp x tp contexts (TP2 on 2 x H200: 0.28-0.37 s for NVML to stop listing the group).
+    A 0-byte pool creates no context on that device (Triton's CudaMemoryManager skips
+    it); the pinned host pool (cudaHostAlloc) makes a context on the current device,
+    ordinal 0, which is the rank's own GPU only for rank 0, and worker ranks serve no
+    requests, so theirs is 0. Only for a group of tp > 1 on GPUs from NVML (`link` is
+    known; not with --assume-gpus). Overridable: a pool size the user passes through
+    --tritonserver-arg for a device (or a pinned pool size) replaces ours.
+    """
+    per_node = inst.gpus_per_node
+    if per_node < 2 or not inst.link:
+        return []
+    user_cuda = {v.split(":", 1)[0].strip() for v in _flag_values(extra, CUDA_POOL_FLAG)}
+    own = rank % per_node
+    out = [f"{CUDA_POOL_FLAG}={d}:0" for d in range(per_node) if d != own and str(d) not in user_cuda]
+    if own != 0 and not _flag_values(extra, PINNED_POOL_FLAG):
+        out.append(f"{PINNED_POOL_FLAG}=0")
+    return out
+
+
 def rank_args(inst: InstancePlan, rank: int, model_repo: str, llm_models: tuple[str, ...],
               extra: tuple[str, ...], shm_scope: str = "") -> list[str]:
     p = inst.ports
     prefix = shm_prefix(inst.instance_id, rank, shm_scope)
     common = [f"--model-repository={model_repo}", "--disable-auto-complete-config",
               f"--backend-config=python,shm-region-prefix-name={prefix}",
-              f"--id=instance{inst.instance_id}-rank{rank}"]
+              f"--id=instance{inst.instance_id}-rank{rank}", *own_gpu_only_args(inst, rank, extra)]
     if rank == 0:
         addr = inst.bind_address
         serve = [f"--http-port={p.http}", f"--grpc-port={p.grpc}", f"--metrics-port={p.metrics}",
