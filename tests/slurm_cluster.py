@@ -136,6 +136,15 @@ def run_processes(node: str) -> list[str]:
     return left
 
 
+def assert_nodes_clean(nodes=("node1", "node2"), stepd_grace_s: float = 15.0) -> None:
+    """Nothing of the run on any node: our processes at once; Slurm's own per-step daemon
+    (slurmstepd, which outlives its step by its cleanup) within a few seconds."""
+    ours = {n: [p for p in run_processes(n) if not p.endswith(" slurmstepd")] for n in nodes}
+    assert not any(ours.values()), ours
+    wait_until(lambda: not any(run_processes(n) for n in nodes), stepd_grace_s,
+               "slurmstepd of the cancelled steps gone")
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -45,7 +45,10 @@ def metric(port: int, name: str, **labels) -> float:
 
 def test_queue_full_is_retried_on_the_other_instance_without_blame(orch_run, tmp_path):
     # One engine slot and a queue of one per instance: two requests fill an instance.
-    repo = twin_repo(tmp_path, "q", twin_engine_max_batch_size=1, max_queue_size=1, twin_decode_ms=50)
+    # The engine's queue limit alone: Triton's own queue policy (max_queue_size > 0) would
+    # also refuse bursts and hold requests itself, so the engine might never fill.
+    repo = twin_repo(tmp_path, "q", twin_engine_max_batch_size=1, twin_engine_max_queue_size=1,
+                     twin_decode_ms=50)
     run = orch_run(gpus="0-1", tp=1, assume_gpus=2, model_repo=repo,
                    extra=("--lb-policy", "round-robin", "--outlier-failures", "1")).start()
     inst0 = run.status()["instances"][0]

@@ -102,6 +102,7 @@ class H:
         self.proxy: EmbeddedProxy | None = None
         self.ups: list[FakeTriton] = []
         self.session: aiohttp.ClientSession | None = None
+        self.clients: list[openai.AsyncOpenAI] = []
 
     async def start(self, *ups: FakeTriton, publish: bool = True, **settings) -> EmbeddedProxy:
         base = dict(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", model_repo=str(DEMO_REPO),
@@ -124,7 +125,11 @@ class H:
 
     def client(self) -> openai.AsyncOpenAI:
         # max_retries=0: the SDK would retry 429/5xx itself and hide what the server answered.
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        # Closed by the fixture on this loop: left to the garbage collector, its close runs
+        # on a closed loop and logs an error inside whichever test happens to run then.
+        self.clients.append(client)
+        return client
 
     async def metrics(self) -> str:
         async with self.session.get(f"http://127.0.0.1:{self.proxy.metrics_port}/metrics") as r:
@@ -135,6 +140,8 @@ class H:
 async def h():
     harness = H()
     yield harness
+    for client in harness.clients:
+        await client.close()
     if harness.session:
         await harness.session.close()
     if harness.proxy:

@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 from tests.harness import REPO, tagged
-from tests.slurm_cluster import (ADDRESSES, SlurmCluster, cannot_run_here, ranks_on, run_processes,
+from tests.slurm_cluster import (ADDRESSES, SlurmCluster, assert_nodes_clean, cannot_run_here, ranks_on,
                                  wait_until)
 
 pytestmark = pytest.mark.e2e
@@ -160,7 +160,7 @@ def test_two_nodes_one_group_each_heal_node_failure_and_down(orch_run, cluster, 
     out = run.down()
     assert out.returncode == 0, out.stderr
     assert cluster.steps() == []
-    assert run_processes("node1") == [] and run_processes("node2") == []
+    assert_nodes_clean()
     assert tagged(run.state_dir) == []
 
 
@@ -180,7 +180,7 @@ def test_down_after_a_sigkilled_daemon_finds_the_steps_by_name(orch_run, cluster
     assert out.returncode == 0, out.stderr
     assert "cancelled 2 Slurm job step(s) left by a killed daemon" in out.stdout
     assert cluster.steps() == []
-    assert run_processes("node1") == [] and run_processes("node2") == []
+    assert_nodes_clean()
     assert tagged(run.state_dir) == []
 
 
@@ -197,7 +197,7 @@ def test_more_gpus_than_the_allocation_has_is_exit_2_and_starts_nothing(cluster,
     assert out.returncode == 2, out.stderr
     assert out.stderr == f"trtllm-orch: error: {field}: {needle}\n"
     assert cluster.steps() == [] and not state.exists()
-    assert run_processes("node1") == [] and run_processes("node2") == []
+    assert_nodes_clean()
 
 
 def test_launcher_slurm_outside_an_allocation_is_exit_2(tmp_path):
