@@ -120,45 +120,58 @@ def _least(candidates: list[Backend], load: Mapping[str, float], rng: random.Ran
     return best[0] if len(best) == 1 else rng.choice(best)
 
 
-class KvAware:
-    """Least load as the engines report it (see `loads`)."""
+class _LoadAware:
+    """What both policies share: the candidates, their loads, and the in-flight history."""
 
-    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rng: random.Random, clock: Callable[[], float]) -> None:
         self._rng = rng
         self._clock = clock
         self.history = InflightHistory()
         self.last_reason = ""
 
-    def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
-               hints: RouteHints | None = None) -> Backend | None:
+    def _measure(self, backends: Sequence[Backend], skip: Collection[str],
+                 inflight: Mapping[str, int]) -> tuple[list[Backend], dict[str, float], float] | None:
         candidates = [b for b in backends if b.instance_id not in skip]
         if not candidates:
             return None
         now = self._clock()
-        load = loads(candidates, inflight, now, self.history)
-        self.last_reason = "load"
-        chosen = _least(candidates, load, self._rng)
+        return candidates, loads(candidates, inflight, now, self.history), now
+
+    def _chosen(self, now: float, backends: Sequence[Backend], inflight: Mapping[str, int],
+                chosen: Backend) -> Backend:
         self.history.note(now, backends, inflight, chosen.instance_id)
         return chosen
 
 
-class PrefixAffinity:
-    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic,
-                 index: PrefixIndex | None = None, slack: float = DEFAULT_SLACK) -> None:
-        self._rng = rng
-        self._clock = clock
-        self.index = index if index is not None else PrefixIndex(clock=clock)
-        self.slack = slack
-        self.history = InflightHistory()
-        self.last_reason = ""
+class KvAware(_LoadAware):
+    """Least load as the engines report it (see `loads`)."""
+
+    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(rng, clock)
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                hints: RouteHints | None = None) -> Backend | None:
-        candidates = [b for b in backends if b.instance_id not in skip]
-        if not candidates:
+        measured = self._measure(backends, skip, inflight)
+        if measured is None:
             return None
-        now = self._clock()
-        load = loads(candidates, inflight, now, self.history)
+        candidates, load, now = measured
+        self.last_reason = "load"
+        return self._chosen(now, backends, inflight, _least(candidates, load, self._rng))
+
+
+class PrefixAffinity(_LoadAware):
+    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic,
+                 index: PrefixIndex | None = None, slack: float = DEFAULT_SLACK) -> None:
+        super().__init__(rng, clock)
+        self.index = index if index is not None else PrefixIndex(clock=clock)
+        self.slack = slack
+
+    def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
+               hints: RouteHints | None = None) -> Backend | None:
+        measured = self._measure(backends, skip, inflight)
+        if measured is None:
+            return None
+        candidates, load, now = measured
         keys = list(hints.prompt_keys) if hints is not None else []
         chosen = None
         if keys:
@@ -181,8 +194,7 @@ class PrefixAffinity:
             chosen = _least(candidates, load, self._rng)
         if keys:
             self.index.record(keys, chosen.instance_id)
-        self.history.note(now, backends, inflight, chosen.instance_id)
-        return chosen
+        return self._chosen(now, backends, inflight, chosen)
 
     def forget(self, instance_id: str) -> None:
         self.index.forget_instance(instance_id)
