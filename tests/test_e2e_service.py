@@ -466,7 +466,10 @@ def test_logs_and_status(orch_run):
         _wait(lambda: len(got) >= 5, 15, "the first lines of logs -f")
         n0 = len(got)
         assert run.cli("restart", "0", *sd, check=True).stdout.strip() == "instance 0: restarting"
-        _wait(lambda: any(b"[trtllm-orch] launch: " in ln for ln in got[n0:]), 60, "new launch line in logs -f")
+        try:
+            _wait(lambda: any(b"[trtllm-orch] launch: " in ln for ln in got[n0:]), 120, "new launch line in logs -f")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\ndaemon log:\n{run.daemon_log()[-4000:]}") from None
         assert follow.poll() is None, "logs -f exited"
     finally:
         follow.terminate()

@@ -143,7 +143,7 @@ def test_up_on_a_terminal_shows_engines_loading_until_ready(orch_run, tmp_path):
     """`up` in a terminal: per instance the elapsed time and the engine's last log line, then READY."""
     repo = tmp_path / "repo"
     subprocess.run([sys.executable, str(REPO / "demo" / "fill_template.py"), "--repo", str(repo), "--streaming",
-                    "twin_engine_load_time_s:8"], check=True, capture_output=True, timeout=60)
+                    "twin_engine_load_time_s:15"], check=True, capture_output=True, timeout=60)
     run = orch_run(gpus="0-1", tp=1, assume_gpus=2, model_repo=repo, extra=("--log-level", "info"))
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in run.env.items() if k in ("PATH", "PYTHONPATH",
                                                                                 "LD_LIBRARY_PATH"))
@@ -151,12 +151,12 @@ def test_up_on_a_terminal_shows_engines_loading_until_ready(orch_run, tmp_path):
            f"up {' '.join(shlex.quote(a) for a in run.args)}; sleep 120")
     pane = Pane(f"orch-up-{os.getpid()}", cmd, width=160, height=20)
     try:
-        # 8 s of engine load leave a window wide enough for a loaded machine (the log line
+        # 15 s of engine load leave a window wide enough for a loaded machine (the log line
         # reaches the daemon through mpirun's output pipe, some time after the launch).
-        screen = pane.wait_for(lambda s: "loading engine: 8s" in row(s, "0") and "STARTING" in row(s, "0"), 60,
+        screen = pane.wait_for(lambda s: "loading engine: 15s" in row(s, "0") and "STARTING" in row(s, "0"), 60,
                                "engines loading")
         assert "loading engines" in screen and "ELAPSED" in screen
-        assert "rank 0: [twin tensorrt_llm] loading engine: 8s" in row(screen, "0")
+        assert "rank 0: [twin tensorrt_llm] loading engine: 15s" in row(screen, "0")
         screen = pane.wait_for(lambda s: "ready in" in row(s, "0") and "ready in" in row(s, "1"), 60,
                                "both READY")
         assert screen.rstrip().splitlines()[-1].startswith("1 "), "the summary stays under the log lines"
