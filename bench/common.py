@@ -347,16 +347,20 @@ class SideEmbedded:
     daemon's) in its own process, with a fixed ready set: used where the benchmark needs a
     policy other than the daemon's (round-robin for reference)."""
 
-    def __init__(self, status: dict[str, Any], policy: str, uvloop: bool = False) -> None:
+    def __init__(self, status: dict[str, Any], policy: str, uvloop: bool = False,
+                 tree: Path | None = None) -> None:
+        """`tree`: run the proxy code of another checkout (e.g. the commit before a change)."""
         self.port = free_port()
         spec = [f"{i['id']}:{i['bind_address']}:{i['ports']['http']}:{i['ports']['grpc']}:"
                 f"{i['ports']['metrics']}" for i in status["instances"]]
         self.args = [sys.executable, "-m", "bench._side_proxy", "--listen", f"127.0.0.1:{self.port}",
                      "--policy", policy, *(["--uvloop"] if uvloop else []), *spec]
+        self.tree = Path(tree) if tree is not None else REPO
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "SideEmbedded":
-        self.proc = subprocess.Popen(self.args, cwd=REPO, stdin=subprocess.DEVNULL,
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
+        self.proc = subprocess.Popen(self.args, cwd=self.tree, stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True)
         wait_port(self.port, proc=self.proc)
         return self
