@@ -12,6 +12,12 @@ Time is taken as the loop thread's CPU time per callback: wall time on this
 shared 2-core box also counts the moments the scheduler ran something else, which
 says nothing about our code. Calls that block without burning CPU (fsync, NVML,
 waiting on a child) are what the call guard catches.
+
+The daemon runs here on asyncio's own loop (pytest's), where every callback is an
+asyncio Handle this test can time. `trtllm-orch up` runs the same daemon code on
+uvloop when it is installed (cli.cmd_up); uvloop's callbacks are not Python Handles,
+so this test does not time them there: what it proves is that our code never blocks,
+whichever loop runs it.
 """
 
 from __future__ import annotations
