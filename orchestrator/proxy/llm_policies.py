@@ -123,7 +123,7 @@ def _least(candidates: list[Backend], load: Mapping[str, float], rng: random.Ran
 class _LoadAware:
     """What both policies share: the candidates, their loads, and the in-flight history."""
 
-    def __init__(self, rng: random.Random, clock: Callable[[], float]) -> None:
+    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
         self._rng = rng
         self._clock = clock
         self.history = InflightHistory()
@@ -145,9 +145,6 @@ class _LoadAware:
 
 class KvAware(_LoadAware):
     """Least load as the engines report it (see `loads`)."""
-
-    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(rng, clock)
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                hints: RouteHints | None = None) -> Backend | None:
