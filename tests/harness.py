@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -38,26 +39,41 @@ def triton_env() -> dict[str, str] | None:
     return env
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports (bind-tested)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65000:
-            continue
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+    """A base port with n consecutive free ports (bind-tested), below the ephemeral range.
+
+    Never from the ephemeral range: there the kernel hands the same port to outgoing
+    connections, so between our pick and tritonserver's bind a client (or a readiness
+    poll to that very port, which can connect to itself) may take it, and the server
+    fails with "already in use"."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(10000, low - n)
+        if all(_bindable(port) for port in range(base, base + n)):
             return base
     raise RuntimeError("no free port block")
+
+
+def free_port() -> int:
+    return free_port_block(1)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def tagged(state_dir: Path) -> list[psutil.Process]:

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.process
@@ -26,6 +27,8 @@ ENV_FILE = REPO / ".triton" / "env"
 
 sys.path.insert(0, str(MODEL_REPO / "tensorrt_llm" / "1"))
 import vocab  # noqa: E402
+
+from tests.harness import free_port_block  # noqa: E402
 
 
 def _triton_env():
@@ -43,13 +46,8 @@ def _triton_env():
 
 
 def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    base = free_port_block(n)
+    return list(range(base, base + n))
 
 
 def _loopback_args(http, grpc, metrics):
@@ -81,12 +79,14 @@ def _wait_ready(proc, base, log_path, timeout=60.0):
 
 
 def _stop(proc):
-    """SIGTERM the process group, SIGKILL what is left after a grace period."""
+    """SIGTERM the process group, SIGKILL what is left after a grace period; then
+    SIGKILL any process still tagged with the job's group dir (mpirun puts each rank
+    in a process group of its own, and a rank's stub outlives a SIGKILLed rank)."""
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(wait)
         except subprocess.TimeoutExpired:
@@ -96,7 +96,25 @@ def _stop(proc):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        return
+        break
+    group_dir = getattr(proc, "group_dir", None)
+    if group_dir:
+        for p in _tagged(group_dir):
+            p.kill()
+    # A SIGKILLed Python-backend stub leaves its regions in /dev/shm (RAM).
+    for path in Path("/dev/shm").glob(getattr(proc, "shm_glob", "") or "-"):
+        path.unlink(missing_ok=True)
+
+
+def _tagged(group_dir):
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("TRTLLM_ORCH_GROUP_DIR") == str(group_dir) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def _post(base, path, body, timeout=30):
@@ -201,7 +219,11 @@ def start_two_rank_group(tmp_path, instance):
     env = _triton_env()
     group_dir = tmp_path / "group"
     group_dir.mkdir(mode=0o700)
-    env.update(TRTLLM_ORCH_INSTANCE=str(instance), TRTLLM_ORCH_GROUP_DIR=str(group_dir))
+    # TMPDIR: Open MPI's session dir goes there, not into a /tmp shared with every
+    # earlier run (a stale ompi.<pid> with a reused pid stops prterun from starting).
+    (tmp_path / "mpi-tmp").mkdir()
+    env.update(TRTLLM_ORCH_INSTANCE=str(instance), TRTLLM_ORCH_GROUP_DIR=str(group_dir),
+               TMPDIR=str(tmp_path / "mpi-tmp"))
     http, grpc, metrics = _free_ports(3)
     common = [f"--model-repository={MODEL_REPO}", f"--backend-directory={env['BACKEND_DIR']}",
               "--disable-auto-complete-config"]
@@ -217,6 +239,7 @@ def start_two_rank_group(tmp_path, instance):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
+    proc.group_dir, proc.shm_glob = group_dir, f"orch_t{instance}_r*"  # for _stop
     return proc, f"http://127.0.0.1:{http}", metrics, log_path
 
 

@@ -146,3 +146,52 @@ def test_status_without_daemon_is_one_line_error(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 1
     assert "no daemon" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def _plant_stale_open_mpi_session_dirs(tmpdir, count: int) -> None:
+    """What a SIGKILLed mpirun leaves in TMPDIR (ompi.<pid> with PMIx rendezvous files),
+    for each of the next `count` pids the kernel will hand out."""
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    last = int(open("/proc/sys/kernel/ns_last_pid").read())
+    for i in range(1, count + 1):
+        pid = last + i
+        if pid >= pid_max:  # the kernel wraps to 300 (pids below are reserved)
+            pid = 300 + pid - pid_max
+        d = tmpdir / f"ompi.{pid}"
+        d.mkdir(mode=0o700)
+        for name in (f"pmix.vm.tool.prterun-vm-{pid}@0", f"pmix.vm.tool.{pid}", "pmix.vm.tool"):
+            (d / name).write_text("stale\n")
+
+
+def test_stale_open_mpi_session_dirs_in_tmp_do_not_stop_a_launch(orch_run, tmp_path):
+    """A group runs under a TMPDIR of its own: the stale session dirs that SIGKILLed
+    mpiruns leave in the host's TMPDIR (in the shared one, an mpirun that drew a
+    recycled pid died at once: "PMIx server's listener thread failed to start") do
+    not stop a launch nor a restart, and a stopped group leaves none behind."""
+    host_tmp = tmp_path / "host-tmp"
+    host_tmp.mkdir()
+    _plant_stale_open_mpi_session_dirs(host_tmp, 1500)
+    planted = {p.name for p in host_tmp.iterdir()}
+    run = orch_run(env_extra={"TMPDIR": str(host_tmp)}).start()
+    status = run.status()
+    assert [i["restarts"] for i in status["instances"]] == [0, 0]
+
+    # A failed group is SIGKILLed whole, mpirun included: the restart gets a clean TMPDIR.
+    daemon = psutil.Process(status["daemon"]["pid"])
+    mpirun = next(c for c in daemon.children() if c.environ().get("TRTLLM_ORCH_INSTANCE") == "0")
+    scratch = run.state_dir / "instances" / "0" / "tmp"
+    assert environ(mpirun.pid)["TMPDIR"] == str(scratch)
+    assert (scratch / f"ompi.{mpirun.pid}").is_dir()
+    rank1 = next(p for p in tagged(run.state_dir) if p.name() == "tritonserver"
+                 and environ(p.pid)["TRTLLM_ORCH_INSTANCE"] == "0" and "--allow-http=false" in p.cmdline())
+    rank1.kill()
+    status = run.wait_for(lambda s: s["instances"][0]["restarts"] == 1 and s["ready"] == 2, timeout=90,
+                          what="instance 0 restarted and ready")
+    assert not (scratch / f"ompi.{mpirun.pid}").exists()
+    code, body = post(run.url("/v2/models/ensemble/generate"))
+    assert code == 200 and body["text_output"]
+
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert {p.name for p in host_tmp.iterdir()} == planted
+    assert not list(run.state_dir.glob("instances/*/tmp"))

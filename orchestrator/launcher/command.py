@@ -33,6 +33,9 @@ ENV_GROUP_DIR = "TRTLLM_ORCH_GROUP_DIR"
 class LaunchCommand:
     argv: tuple[str, ...]
     env: dict[str, str]  # variables we add to (or override in) the daemon's environment
+    # The job's private TMPDIR (see build_launch), emptied before each launch and
+    # removed after each stop; "" where the job's temp files are not on this host.
+    scratch: str = ""
 
     def shell_text(self) -> str:
         import shlex
@@ -145,6 +148,12 @@ def build_launch(inst: InstancePlan, *, mpi: MpiFlavour, tritonserver: str, mode
         ENV_STATE_DIR: state_dir,
         ENV_INSTANCE: inst.instance_id,
         ENV_GROUP_DIR: group_dir,
+        # Open MPI keeps its session dir (ompi.<mpirun pid>) under TMPDIR and removes
+        # it only when mpirun exits by itself. A failed group's mpirun is SIGKILLed, so
+        # in the shared /tmp those dirs piled up, and a later mpirun that drew a
+        # recycled pid died at once ("The PMIx server's listener thread failed to
+        # start"). A per-group TMPDIR that we empty ourselves cannot go stale.
+        "TMPDIR": scratch_dir(group_dir),
     }
     argv = [mpi.path, *mpi.global_flags(tuple(env), as_root)]
     for rank in range(inst.tp):
@@ -153,7 +162,11 @@ def build_launch(inst: InstancePlan, *, mpi: MpiFlavour, tritonserver: str, mode
         pin = pinner.argv(inst.affinity[rank]) if pinner and inst.affinity else ()
         argv += ["-n", "1", *rank_wrapper, *pin, tritonserver,
                  *rank_args(inst, rank, model_repo, llm_models, extra_args, shm_scope(state_dir))]
-    return LaunchCommand(tuple(argv), env)
+    return LaunchCommand(tuple(argv), env, scratch=env["TMPDIR"])
+
+
+def scratch_dir(group_dir: str) -> str:
+    return os.path.join(group_dir, "tmp")
 
 
 def find_rank_wrapper() -> tuple[str, ...]:

@@ -108,6 +108,8 @@ class ProcessGroup:
         env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
         env.update(cmd.env)
         try:
+            if cmd.scratch:
+                await asyncio.to_thread(self._ops.fresh_dir, cmd.scratch)
             proc = await self._ops.spawn(cmd.argv, env, None)
         except OSError as exc:
             raise LaunchFailed(f"could not start {cmd.argv[0]}: {exc}") from None
@@ -193,8 +195,11 @@ class ProcessGroup:
         await self._end_tasks()
         t_reaped = time.monotonic()
         stopped_pids = set(self.pids) | {p.pid for p in procs}  # before READY, self.pids is only mpirun
+        scratch = self.command.scratch if self.command is not None else ""
         self.mpirun, self.pids, self.command = None, [], None
         await asyncio.to_thread(self._ops.unlink_shm, self._shm_prefixes())
+        if scratch:
+            await asyncio.to_thread(self._ops.remove_dir, scratch)
         released = await self._wait_released(stopped_pids)
         how = f"{len(at_once)} SIGKILLed at once" if failed else f"{len(killed)} SIGKILLed after {grace_s:g}s grace"
         log.debug("instance=%s stop: processes %.3fs (%s), reap+log %.3fs, release %.3fs (%s)", iid,

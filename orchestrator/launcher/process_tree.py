@@ -102,6 +102,14 @@ class OsOps:
     def listening_pids(self, ports: tuple[int, ...]) -> set[int] | None:
         return listening_pids(ports)
 
+    def fresh_dir(self, path: str) -> None:
+        """`path` exists, owner-only and empty."""
+        self.remove_dir(path)
+        os.makedirs(path, mode=0o700)
+
+    def remove_dir(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
     def unlink_shm(self, prefixes: Iterable[str]) -> None:
         for prefix in prefixes:
             for path in glob.glob(f"/dev/shm/{prefix}*"):

@@ -52,16 +52,23 @@ def _srun_head(srun: str, job_id: str, name: str, inst: InstancePlan, cpus: int,
             "--kill-on-bad-exit=1", "--export=ALL", *srun_args]
 
 
+def node_env(env: dict[str, str]) -> dict[str, str]:
+    """A local launch's environment less what names this host only: our per-group
+    TMPDIR is a directory here; on a node the step keeps Slurm's own TMPDIR."""
+    return {k: v for k, v in env.items() if k != "TMPDIR"}
+
+
 def srun_mpirun(cmd: LaunchCommand, inst: InstancePlan, *, srun: str, job_id: str, name: str, cpus: int,
                 srun_args: tuple[str, ...] = ()) -> LaunchCommand:
     """Today's mpirun command (`cmd`), run as a one-task step on the group's node."""
-    env = {**cmd.env, **LOCAL_ONLY_ENV}
+    own = node_env(cmd.env)
+    env = {**own, **LOCAL_ONLY_ENV}
     inner = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *cmd.argv]
     # Stated in full, so what sbatch put in the environment (SLURM_NTASKS_PER_NODE,
     # SLURM_MPI_TYPE, ...: srun reads them as defaults) cannot reshape the step.
     argv = [*_srun_head(srun, job_id, name, inst, cpus, srun_args), "--ntasks=1", "--ntasks-per-node=1",
             "--mpi=none", "/bin/sh", "-c", "exec " + shlex.join(inner)]
-    return LaunchCommand(tuple(argv), cmd.env)
+    return LaunchCommand(tuple(argv), own)
 
 
 def srun_pmix(env: dict[str, str], rank_argvs: list[list[str]], inst: InstancePlan, *, srun: str,

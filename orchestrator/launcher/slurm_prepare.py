@@ -22,7 +22,7 @@ from .command import find_tritonserver, rank_args, shm_scope
 from .slurm_alloc import (allocation_nodes, choose_addresses, load_job, node_addresses,
                           probe_interface)
 from .slurm_cli import run_sync
-from .slurm_command import STEP_PREFIX, srun_mpirun, srun_pmix, step_name
+from .slurm_command import STEP_PREFIX, node_env, srun_mpirun, srun_pmix, step_name
 
 
 def pmix_problem(job_id: str, scope: str, run=run_sync) -> str | None:
@@ -86,7 +86,7 @@ def prepare_slurm(settings: cfg.Settings, *, for_launch: bool, prepare_local: Ca
         ranks = [[tritonserver, *rank_args(inst, r, model_repo, settings.tensorrt_llm_model,
                                                       settings.tritonserver_arg, scope)]
                  for r in range(inst.tp)]
-        return srun_pmix(cmd.env, ranks, inst, **common)
+        return srun_pmix(node_env(cmd.env), ranks, inst, **common)
 
     commands = {inst.instance_id: build_command(inst) for inst in plan.instances}
     notes = (f"Slurm allocation {job_id}: {len(nodes)} node(s) ({', '.join(n.name for n in nodes)}); "

@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
 from twin.engine import Engine, EngineError, QueueFullError, Sequence  # noqa: E402
+from twin.lifeline import exit_with_server  # noqa: E402
 from twin.loop import EngineLoop  # noqa: E402
 from twin.metrics import TrtLlmMetrics, WorkerMetrics  # noqa: E402
 from twin.params import TwinSettings  # noqa: E402
@@ -105,6 +106,7 @@ class TritonPythonModel:
         FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         config = json.loads(args["model_config"])
         self.settings = TwinSettings(config)
+        exit_with_server()
         self.model_name = args.get("model_name", "tensorrt_llm")
         self.version = str(args.get("model_version", "1"))
         self.rank, self.world_size, local_rank = mpi_layout()
