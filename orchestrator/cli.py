@@ -246,6 +246,12 @@ def setup_logging(level: str) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    # Before gRPC is loaded: its fork handlers are for children that keep using gRPC;
+    # ours exec mpirun at once. With them on, every launch while the gRPC proxy runs
+    # printed "Other threads are currently calling into gRPC, skipping fork() handlers"
+    # straight to fd 2, past logging: noise in the journal, and on a terminal a line
+    # that rich's live loading view does not know of, so it redrew one line too low.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from .daemon import Daemon, Launchable
     from .statedir import StateDir
 

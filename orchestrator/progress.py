@@ -35,6 +35,8 @@ TAIL_LINES = 3  # of a failed instance's log, under its row
 _RANK_TAG = re.compile(r"^\[(?:\d+,)?(\d+)\](?:<std(?:out|err)>:)?\s?")
 # tritonserver's glog prefix: I1122 01:16:15.157670 26458 model_lifecycle.cc:472]
 _GLOG = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
+# Triton's line for a model whose load completed (model_lifecycle.cc).
+_FINISHED = re.compile(r"^(?:rank \d+: )?successfully loaded '")
 # Every instance starts STOPPED: only READY and FAILED end the loading (a `down` during
 # the load cancels the renderer with the daemon's other tasks).
 _SETTLED = frozenset({"READY", "FAILED"})
@@ -75,11 +77,22 @@ def meaningful(line: str) -> str:
 
 
 def last_meaningful(lines: list[str]) -> str:
+    """The newest line that says what the instance is still doing.
+
+    Triton loads a repository's models side by side: the tokenizer models finish in
+    a second and say "successfully loaded 'preprocessing'" while the engine goes on
+    loading for minutes. Such a line is the answer only when no newer line of a load
+    still under way precedes it."""
+    finished = ""
     for line in reversed(lines):
         text = meaningful(line)
-        if text:
-            return text
-    return ""
+        if not text:
+            continue
+        if _FINISHED.search(text):
+            finished = finished or text
+            continue
+        return text
+    return finished
 
 
 def _state(inst: Loading) -> str:

@@ -139,10 +139,6 @@ def test_top_without_a_terminal_prints_one_table(orch_run):
 
 
 @pytest.mark.skipif(TMUX is None, reason="tmux is not installed (scripts/bootstrap installs it)")
-# A known bug, not a timing margin: in about 1 run of 3 the live block draws its header,
-# then no row until every instance is READY (seen with 5, 8 and 15 s engine loads, on a
-# quiet machine too). The summary at READY is right. Reported in the closing note.
-@pytest.mark.xfail(reason="up's live loading view sometimes draws no row until READY (open bug)", strict=False)
 def test_up_on_a_terminal_shows_engines_loading_until_ready(orch_run, tmp_path):
     """`up` in a terminal: per instance the elapsed time and the engine's last log line, then READY."""
     repo = tmp_path / "repo"

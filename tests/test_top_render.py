@@ -70,6 +70,16 @@ def test_meaningful_log_lines():
         == "rank 0: Loading engine 3/8"
 
 
+def test_last_line_is_the_load_still_under_way_not_a_finished_model():
+    glog = '[1,0]<stderr>: I1122 04:50:44.5 11217 {}] "{}"'
+    engine = '[1,0]<stderr>: I1122 04:50:44.4 11217 model.py:42] "[twin tensorrt_llm] loading engine: 15s"'
+    done = glog.format("model_lifecycle.cc:839", "successfully loaded 'preprocessing'")
+    assert last_meaningful([engine, done]) == "rank 0: [twin tensorrt_llm] loading engine: 15s"
+    assert last_meaningful([done]) == "rank 0: successfully loaded 'preprocessing'"
+    assert last_meaningful([engine, done, glog.format("model_lifecycle.cc:839", "successfully loaded 'tensorrt_llm'")]) \
+        == "rank 0: [twin tensorrt_llm] loading engine: 15s"
+
+
 @dataclass
 class _State:
     value: str
