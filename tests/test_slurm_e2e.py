@@ -58,8 +58,12 @@ def allocation(cluster):
 
 
 def slurm_run(orch_run, cluster, job: str, *extra: str):
+    # TMPDIR reaches the steps (--export=ALL): their per-step scratch dirs, with what the
+    # SIGKILLed mpiruns leave in them, stay in the cluster's folder, not in /tmp.
+    tmpdir = cluster.root / "tmp"
+    tmpdir.mkdir(exist_ok=True)
     return orch_run(gpus="all", tp=2, assume_gpus=None, extra=(*FAST, *extra),
-                    env_extra={**cluster.env, "SLURM_JOB_ID": job})
+                    env_extra={**cluster.env, "SLURM_JOB_ID": job, "TMPDIR": str(tmpdir)})
 
 
 def instances(status: dict) -> dict[str, dict]:

@@ -119,7 +119,9 @@ def test_mpirun_inside_a_one_node_step():
                  "--overlap", "--cpus-per-task=3", "--export=ALL", "--container-image=img"):
         assert flag in argv
     assert argv[-3:-1] == ["/bin/sh", "-c"]
-    inner = shlex.split(argv[-1])
+    scratch, _, launch = argv[-1].rpartition(" && ")
+    assert 'export TMPDIR="$d"' in scratch and "trtllm-orch.ab.i1" in scratch  # Open MPI's session dir
+    inner = shlex.split(launch)
     assert inner[:2] == ["exec", "env"]
     assert inner[inner.index("/x/mpirun"):] == list(local.argv)  # today's command, unchanged
     assert "CUDA_VISIBLE_DEVICES=0,1" in inner  # set inside the step, after Slurm's own

@@ -54,8 +54,16 @@ def _srun_head(srun: str, job_id: str, name: str, inst: InstancePlan, cpus: int,
 
 def node_env(env: dict[str, str]) -> dict[str, str]:
     """A local launch's environment less what names this host only: our per-group
-    TMPDIR is a directory here; on a node the step keeps Slurm's own TMPDIR."""
+    TMPDIR is a directory here (on a node, srun_mpirun makes one of its own)."""
     return {k: v for k, v in env.items() if k != "TMPDIR"}
+
+
+def _node_scratch(name: str) -> str:
+    # The node's side of command.build_launch's per-group TMPDIR: the step's mpirun is
+    # SIGKILLed with a failed group and leaves Open MPI's session dir behind. One dir
+    # per step name, emptied before every launch: at most one stale dir per instance.
+    d = shlex.quote(name)
+    return f'd="${{TMPDIR:-/tmp}}/"{d} && rm -rf "$d" && mkdir -m 700 "$d" && export TMPDIR="$d" && '
 
 
 def srun_mpirun(cmd: LaunchCommand, inst: InstancePlan, *, srun: str, job_id: str, name: str, cpus: int,
@@ -67,7 +75,7 @@ def srun_mpirun(cmd: LaunchCommand, inst: InstancePlan, *, srun: str, job_id: st
     # Stated in full, so what sbatch put in the environment (SLURM_NTASKS_PER_NODE,
     # SLURM_MPI_TYPE, ...: srun reads them as defaults) cannot reshape the step.
     argv = [*_srun_head(srun, job_id, name, inst, cpus, srun_args), "--ntasks=1", "--ntasks-per-node=1",
-            "--mpi=none", "/bin/sh", "-c", "exec " + shlex.join(inner)]
+            "--mpi=none", "/bin/sh", "-c", _node_scratch(name) + "exec " + shlex.join(inner)]
     return LaunchCommand(tuple(argv), own)
 
 
