@@ -86,9 +86,9 @@ class Settings:
     stop_grace_s: float = opt(10.0, "seconds between SIGTERM and SIGKILL when stopping an instance",
                               metavar="S")
     log_level: str = opt("info", "daemon log level: " + ", ".join(LOG_LEVELS), group="daemon")
-    log_max_bytes: int = opt(50 * 1024 * 1024, "instance log size before rotation", group="daemon",
-                             metavar="BYTES")
-    log_backups: int = opt(3, "rotated instance logs kept", group="daemon", metavar="N")
+    log_max_bytes: int = opt(50 * 1024 * 1024, "instance log (and NGINX error.log) size before rotation",
+                             group="daemon", metavar="BYTES")
+    log_backups: int = opt(3, "rotated instance logs (and NGINX error.logs) kept", group="daemon", metavar="N")
 
     # --- proxy ------------------------------------------------------------------
     proxy: str = opt("embedded", "load balancer: " + ", ".join(PROXY_MODES), group="proxy")

@@ -634,3 +634,29 @@ async def test_grpc_admin_blocked_and_inference_passed(tmp_path) -> None:
     finally:
         await proxy.stop(grace_s=1.0)
         await server.stop(None)
+
+
+@pytest.mark.process
+async def test_error_log_is_rotated_and_nginx_goes_on_writing_the_new_one(upstreams, proxy_factory,
+                                                                        monkeypatch) -> None:
+    """NGINX never rotates error.log; under traffic to a dead instance it logs every retry.
+    The master's watcher shifts it out once it passes log_max_bytes and has NGINX reopen it:
+    at most log_backups old files, and the new error.log is the one being written."""
+    monkeypatch.setattr(nginx_master, "LOG_CHECK_S", 0.1)
+    a, b = upstreams
+    ready = ReadyBackends()
+    ready.publish((a.backend, b.backend))
+    proxy = await proxy_factory(ready, planned(upstreams), log_max_bytes=300, log_backups=2)
+    await a.stop()  # every request tried on it first logs "connect() failed"
+    error_log = proxy.config_path.parent / "error.log"
+    load = Load(proxy).start()
+    try:
+        await _until(lambda: proxy.status()["log_rotations"] >= 3, 30, "three rotations")
+        await _until(lambda: error_log.exists() and error_log.stat().st_size > 0, 10, "a new error.log written")
+    finally:
+        await load.stop()
+    assert load.failures == [], load.failures[:5]
+    assert "connect() failed" in error_log.read_text()
+    logs = sorted(p.name for p in error_log.parent.glob("error.log*"))
+    assert logs == ["error.log", "error.log.1", "error.log.2"], logs
+    assert (error_log.parent / "error.log.2").stat().st_size > 0

@@ -43,20 +43,37 @@ class RotatingLog:
 
     def _rotate(self) -> None:
         self._fh.close()
-        if self.backups:
-            for i in range(self.backups - 1, 0, -1):
-                src = self.path.with_name(f"{self.path.name}.{i}")
-                if src.exists():
-                    src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
-            self.path.replace(self.path.with_name(f"{self.path.name}.1"))
-        else:
-            self.path.unlink(missing_ok=True)
+        shift_out(self.path, self.backups)
         self._fh = open(self.path, "ab", buffering=0)
         os.chmod(self.path, 0o600)
         self._size = 0
 
     def close(self) -> None:
         self._fh.close()
+
+
+def shift_out(path: Path, backups: int) -> None:
+    """path -> path.1 -> ... -> path.<backups> (the oldest dropped); path itself is gone after."""
+    if backups:
+        for i in range(backups - 1, 0, -1):
+            src = path.with_name(f"{path.name}.{i}")
+            if src.exists():
+                src.replace(path.with_name(f"{path.name}.{i + 1}"))
+        path.replace(path.with_name(f"{path.name}.1"))
+    else:
+        path.unlink(missing_ok=True)
+
+
+def shift_out_if_over(path: Path, max_bytes: int, backups: int) -> bool:
+    """For a log another process writes (NGINX's error.log): shift it out once it is over
+    max_bytes. True when it did: the writer must reopen it (it still writes to path.1)."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    shift_out(path, backups)
+    return True
 
 
 async def pump(stream: asyncio.StreamReader, log: RotatingLog) -> None:

@@ -239,7 +239,8 @@ class NginxProxy:
         self._master = NginxMaster(
             [binary, "-p", str(self._dir), "-c", str(self._conf), "-e", str(self._dir / "error.log"),
              "-g", "daemon off;"], self._dir, listeners, logger=self._log,
-            on_change=self._master_changed, orphan_grace_s=self._settings.stop_grace_s)
+            on_change=self._master_changed, orphan_grace_s=self._settings.stop_grace_s,
+            log_limits=lambda: (self._settings.log_max_bytes, self._settings.log_backups))
         try:
             await self._master.start()
             if self._settings.metrics_listen:

@@ -39,10 +39,14 @@ from typing import Any
 
 from ..errors import OrchError
 from ..health.restart_policy import RestartPolicy
+from ..launcher.logfile import shift_out_if_over
 
 START_WAIT_S = 10.0  # until the new master runs a worker
 RELOAD_WAIT_S = 10.0
 ORPHAN_POLL_S = 0.2  # how often orphaned workers are checked while some remain
+# How often error.log's size is looked at. NGINX never rotates its own logs, and under
+# traffic to a FAILED instance it adds two lines every two seconds for as long as it runs.
+LOG_CHECK_S = 5.0
 # Backoff between restarts of a master that keeps dying: 0 (first), 0.5, 1, 2, ... 10 s.
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_CAP_S = 10.0
@@ -150,7 +154,10 @@ class NginxMaster:
 
     def __init__(self, argv: list[str], prefix: Path, listeners: list[socket.socket], *,
                  logger: logging.Logger | None = None, on_change: Callable[[], None] | None = None,
-                 orphan_grace_s: float = 10.0, policy: RestartPolicy | None = None) -> None:
+                 orphan_grace_s: float = 10.0, policy: RestartPolicy | None = None,
+                 log_limits: Callable[[], tuple[int, int]] | None = None) -> None:
+        """`log_limits` gives (max bytes, backups) for error.log, asked at every check so
+        that a reload's new values apply; None: error.log is never rotated."""
         self._argv = argv
         self._prefix = prefix
         self._listeners = listeners
@@ -158,6 +165,7 @@ class NginxMaster:
         self._on_change = on_change
         self._orphan_grace_s = orphan_grace_s
         self._policy = policy or default_policy()
+        self._log_limits = log_limits
         self._proc: asyncio.subprocess.Process | None = None
         self._pgid: int | None = None
         self._orphans: dict[int, float] = {}  # pgid of a dead master -> when its workers get SIGKILL
@@ -166,6 +174,7 @@ class NginxMaster:
         self._running_since: float | None = None
         self.state = STARTING
         self.restarts = 0  # new masters started after a death
+        self.log_rotations = 0
         self.last_failure = ""
 
     # --- public ------------------------------------------------------------------
@@ -178,7 +187,7 @@ class NginxMaster:
             if self._running_since is not None and self.state == RUNNING else None
         return {"state": self.state, "pid": self.pid, "restarts": self.restarts,
                 "last_failure": self.last_failure, "running_s": running_s,
-                "orphaned_groups": len(self._orphans)}
+                "orphaned_groups": len(self._orphans), "log_rotations": self.log_rotations}
 
     async def start(self) -> None:
         """Spawn the master and wait until it serves; raises OrchError (one line)."""
@@ -253,15 +262,20 @@ class NginxMaster:
             self._on_change()
 
     async def _watch(self) -> None:
-        """Owned by start()/stop(): wait for the master's exit; restart it; reap orphans."""
+        """Owned by start()/stop(): wait for the master's exit; restart it; reap orphans;
+        rotate error.log."""
+        next_log_check = time.monotonic() + LOG_CHECK_S
         while True:
             proc = self._proc
             assert proc is not None
             try:
                 # While orphans remain, wake up now and then to see whether they are done.
-                await asyncio.wait_for(proc.wait(), ORPHAN_POLL_S if self._orphans else None)
+                await asyncio.wait_for(proc.wait(), ORPHAN_POLL_S if self._orphans else LOG_CHECK_S)
             except asyncio.TimeoutError:
                 await self._check_orphans()
+                if time.monotonic() >= next_log_check:
+                    next_log_check = time.monotonic() + LOG_CHECK_S
+                    await self._rotate_error_log()
                 continue
             if self._stopping:
                 return
@@ -271,6 +285,14 @@ class NginxMaster:
                 self.last_failure = f"restart failed unexpectedly: {exc!r}"
                 self._log.exception("nginx: %s", self.last_failure)
                 await asyncio.sleep(BACKOFF_CAP_S)
+
+    async def _rotate_error_log(self) -> None:
+        if self._log_limits is None:
+            return
+        max_bytes, backups = self._log_limits()
+        if await asyncio.to_thread(shift_out_if_over, self._prefix / "error.log", max_bytes, backups):
+            self.signal(signal.SIGUSR1)  # the master reopens its logs and has its workers do so
+            self.log_rotations += 1
 
     async def _restart(self, dead: asyncio.subprocess.Process) -> None:
         # Called again (with the same dead process) when a restart attempt fails, so every
