@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import REPO, free_port, machine, med, table, wait_port, write_result
+from bench.common import REPO, bars, free_port, machine, med, table, wait_port, write_result
 from tests.harness import Run
 
 # The demo tokenizer's chat template for one user turn (demo/twin/tokenizer_files.py).
@@ -260,6 +260,66 @@ def report(data: dict[str, Any]) -> str:
             + "\n".join(f"### {k}\n\n```\n{v.strip()}\n```\n" for k, v in consoles.items()))
 
 
+def plot(result: dict[str, Any], plt: Any) -> Any:
+    """TTFT p50/p90/p99 per path at each concurrency, inter-chunk p50, the TTFT p50 deltas, proxy CPU."""
+    if "rows" not in result:  # a raw run: the same medians the report shows
+        result = {**result, **summarise(result)}
+    rows = result["rows"]
+    levels = sorted({r["concurrency"] for r in rows})
+    cpu = result.get("proxy_cpu")
+    fig, axes = plt.subplots(1, len(levels) + 2 + (1 if cpu else 0), figsize=(4.4 * (len(levels) + 3), 4.4))
+    for ax, conc in zip(axes, levels):
+        mine = {r["target"]: r for r in rows if r["concurrency"] == conc}
+        targets = [t for t in TARGETS if t in mine]
+        bars(ax, targets, {p: [mine[t][f"ttft_{p}_ms"] for t in targets] for p in ("p50", "p90", "p99")},
+             ylabel="ms", title=f"TTFT, concurrency {conc} (AIPerf, median of rounds)", fmt="{:.1f}")
+    ax = axes[len(levels)]
+    bars(ax, [f"c{c}" for c in levels],
+         {t: [next((r["chunk_p50_ms"] for r in rows if r["target"] == t and r["concurrency"] == c), None)
+              for c in levels] for t in TARGETS},
+         ylabel="ms", title="inter-chunk p50 (AIPerf; at c>1 chunks can arrive together)", fmt="{:.2f}")
+    # openai - native TTFT p50: AIPerf's per-round deltas, the interleaved pairs, the goal.
+    ax = axes[len(levels) + 1]
+    per_round = result.get("ttft_p50_delta_per_round_ms") or {}
+    labels = [f"AIPerf c{c}" for c in per_round]
+    for x, (conc, ds) in enumerate(per_round.items()):
+        ax.scatter([x] * len(ds), ds, color="tab:blue", alpha=0.6, s=18, label="per round" if x == 0 else None)
+        ax.scatter([x], [med(ds)], color="tab:blue", marker="_", s=400, label="median of rounds" if x == 0 else None)
+    pairs = result.get("interleaved_pairs")
+    if pairs:
+        x = len(labels)
+        labels.append(f"{pairs['n_pairs']} pairs, c1")
+        ax.scatter([x], [pairs["delta_p50_ms"]], color="tab:green", marker="D", s=40,
+                   label="median per-pair difference")
+        ax.annotate(f"{pairs['delta_p50_ms']:+.2f} ms", (x, pairs["delta_p50_ms"]), xytext=(-6, 6), ha="right",
+                    textcoords="offset points", fontsize=8)
+    ax.axhline(0.5, color="tab:red", linestyle="--", linewidth=1, label="goal: <= +0.5 ms")
+    ax.axhline(0, color="k", linewidth=0.5)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_ylabel("ms")
+    ax.set_title("TTFT p50, openai - native", fontsize=10)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(axis="y", alpha=0.3)
+    if cpu:
+        ax = axes[-1]
+        bars(ax, list(TARGETS), {"median": [cpu[f"{t}_us_per_req"] for t in TARGETS]}, ylabel="us per request",
+             title=f"embedded proxy CPU per streamed request ({cpu['osl']} tokens)", fmt="{:.0f}")
+        for x, t in enumerate(TARGETS):
+            ys = cpu["per_round_us"][t]
+            ax.scatter([x] * len(ys), ys, color="k", s=12, zorder=3, label="per round" if x == 0 else None)
+        ax.legend(fontsize=7)
+    a = result["args"]
+    goal = result.get("goal_ttft_p50_delta_ms")
+    fig.suptitle(f"openai_bench: /v1/chat/completions vs native generate_stream, one twin instance (TP1), "
+                 f"{a['rounds']} rounds, ISL {a['isl']}, OSL {a['osl']}, decode {a['token_delay_ms']} ms; goal "
+                 + ("met" if result.get("goal_met") else "NOT met")
+                 + (f" ({goal:+.3f} ms)" if goal is not None else ""), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--aiperf", default="aiperf", help="the aiperf executable")
@@ -336,7 +396,7 @@ def main() -> int:
             "proxy_cpu": cpu,
             "aiperf_consoles_last_round": consoles}
     data.update(summarise(data))
-    path = write_result("openai_bench", data)
+    path = write_result("openai_bench", data, plot)
     md = path.with_suffix(".md")
     md.write_text(report(data))
     print(f"\nwrote {path} and {md}")

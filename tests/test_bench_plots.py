@@ -16,7 +16,7 @@ pytestmark = pytest.mark.process
 pytest.importorskip("matplotlib", reason="the `bench` extra (scripts/bootstrap installs it)")
 
 RESULTS = REPO / "bench" / "results"
-BENCHES = ("proxy_bench", "failover_bench", "rolling_bench", "startup_bench")
+BENCHES = ("proxy_bench", "failover_bench", "rolling_bench", "startup_bench", "routing_bench", "openai_bench")
 
 
 @pytest.mark.parametrize("bench", BENCHES)
