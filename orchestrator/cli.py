@@ -326,6 +326,8 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{' '.join(map(str, inst['pids']))}")
         if inst.get("nodes"):
             lines.append(f"      on {','.join(inst['nodes'])} ({inst.get('bind_address', '')})")
+        if inst.get("engine"):
+            lines.append("      " + format_engine(inst["engine"]))
         for gpu in inst.get("gpu", []):
             lines.append(f"      gpu {gpu['index']}: {gpu['memory_used_mib']}/{gpu['memory_total_mib']} MiB, "
                          f"{gpu['utilization_pct']}% busy")
@@ -336,6 +338,15 @@ def format_status(status: dict[str, Any]) -> str:
         for line in inst.get("errors", []):
             lines.append(f"      log: {line[:200]}")
     return "\n".join(lines)
+
+
+def format_engine(engine: dict[str, Any]) -> str:
+    """What the instance's engine last reported (its TRT-LLM metrics)."""
+    hit = engine.get("kv_reuse_hit_rate")
+    reuse = "-" if hit is None else f"{hit * 100:.0f}%"
+    return (f"engine: waiting {engine['waiting']}  active {engine['active']}/{engine['max_active']}  "
+            f"KV {engine['kv_fraction'] * 100:.0f}% ({engine['kv_used_blocks']}/{engine['kv_max_blocks']} blocks)  "
+            f"reuse {reuse} of prompt blocks ({engine.get('kv_reused_last_minute', 0)} reused, last minute)")
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -32,10 +32,10 @@ REFRESH_S = 0.5
 _STATE_STYLE = {"READY": "bold green", "UNHEALTHY": "bold yellow", "STARTING": "cyan",
                 "BACKOFF": "yellow", "STOPPING": "magenta", "FAILED": "bold red", "STOPPED": "dim"}
 COLUMNS = ("ID", "STATE", "REASON", "GPUS", "UPTIME", "RESTARTS", "INFLIGHT", "WAITING", "ACTIVE",
-           "KV", "REUSE/m", "TTFT p50", "TTFT p99", "TOK/s", "GPU MEM", "GPU UTIL")
+           "KV", "REUSE", "TTFT p50", "TTFT p99", "TOK/s", "GPU MEM", "GPU UTIL")
 # What a narrow terminal gives up first: the rest keep their full width (a squeezed
 # "RE…" column helps nobody).
-DROP_ORDER = ("REASON", "REUSE/m", "GPU UTIL", "GPU MEM", "RESTARTS", "TTFT p99", "UPTIME", "GPUS",
+DROP_ORDER = ("REASON", "REUSE", "GPU UTIL", "GPU MEM", "RESTARTS", "TTFT p99", "UPTIME", "GPUS",
               "WAITING", "KV")
 _MIN_WIDTH = {"ID": 2, "STATE": 9, "UPTIME": 6, "ACTIVE": 6, "TTFT p50": 8, "TTFT p99": 8,
               "GPU MEM": 9}
@@ -56,6 +56,10 @@ def _num(value: Any, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction * 100:.0f}%"
+
+
 def _gpu_cells(gpus: list[dict[str, Any]]) -> tuple[str, str]:
     if not gpus:
         return "-", "-"
@@ -73,12 +77,12 @@ def instance_row(inst: dict[str, Any]) -> list[Text | str]:
     if state == "READY" and inst.get("last_failure"):
         reason = f"last failure: {inst['last_failure']}"
     active = f"{engine['active']}/{engine['max_active']}" if engine else "-"
-    kv = f"{engine['kv_fraction'] * 100:.0f}%" if engine else "-"
+    kv = _pct(engine.get("kv_fraction"))
     mem, util = _gpu_cells(inst.get("gpu") or [])
     return [inst["id"], Text(state, style=_STATE_STYLE.get(state, "")), Text(reason),  # no markup
             ",".join(map(str, inst["gpus"])), _duration(inst.get("uptime_s")), str(inst.get("restarts", 0)),
             str(inst.get("inflight", 0)), _num(engine.get("waiting")), active, kv,
-            _num(engine.get("kv_reused_last_minute")), _num(llm.get("ttft_p50_ms"), "{:.1f}ms"),
+            _pct(engine.get("kv_reuse_hit_rate")), _num(llm.get("ttft_p50_ms"), "{:.1f}ms"),
             _num(llm.get("ttft_p99_ms"), "{:.1f}ms"), _num(llm.get("tokens_per_s"), "{:.1f}"), mem, util]
 
 

@@ -180,3 +180,16 @@ def test_llm_metrics_match_what_the_client_measured(orch_run):
     p50_status = statistics.median(x["ttft_p50_ms"] for x in llm) / 1000
     assert p50_status <= all_client[-1] + 0.005, (p50_status, all_client)
     assert json.dumps(status)  # still plain JSON
+
+    # what each engine reports (its TRT-LLM metrics, scraped by the instance): in status,
+    # its plain text, and the proxy's engine gauges
+    engines = [i["engine"] for i in status["instances"]]
+    assert all(e is not None and e["max_active"] > 0 for e in engines), engines
+    # every prompt finished inside the last minute: a hit rate is known (0 when nothing was shared)
+    assert all(e["kv_reuse_hit_rate"] is not None and 0 <= e["kv_reuse_hit_rate"] <= 1 for e in engines), engines
+    text = run.cli("status", "--state-dir", str(run.state_dir), check=True).stdout
+    assert text.count("engine: waiting ") == 2, text
+    m = scrape(run.metrics_port)
+    for iid, engine in zip(("0", "1"), engines):
+        assert total(m, "trtllm_orch_engine_max_active", instance=iid) == engine["max_active"]
+        assert (("trtllm_orch_engine_kv_fraction", (("instance", iid),)) in m), sorted(m)[:20]

@@ -17,7 +17,8 @@ import re
 import time
 from dataclasses import dataclass
 
-_LINE = re.compile(r'^(nv_trt_llm_[a-z_]+|nv_inference_pending_request_count)\{([^}]*)\}\s+(\S+)')
+_LINE = re.compile(r'^(nv_trt_llm_[a-z_]+|nv_inference_pending_request_count|nv_llm_input_token_len_sum)'
+                   r'\{([^}]*)\}\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 # (family, its category label) -> snapshot field, per category value
@@ -47,6 +48,9 @@ class EngineSnapshot:
     kv_reused: int = 0
     iteration: float | None = None  # None: the server exports no TRT-LLM engine metrics
     pending: int = 0  # Triton's own queue in front of the backend
+    # Prompt tokens of finished requests, cumulative (nv_llm_input_token_len's sum; 0 where
+    # the version exports no such histogram): the denominator of the reuse hit rate.
+    input_tokens: int = 0
 
     @property
     def has_engine(self) -> bool:
@@ -82,6 +86,9 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSnapshot:
             continue
         if family == "nv_inference_pending_request_count":
             values["pending"] = values.get("pending", 0.0) + value
+            continue
+        if family == "nv_llm_input_token_len_sum":
+            values["input_tokens"] = values.get("input_tokens", 0.0) + value
             continue
         labels = dict(_LABEL.findall(labels_text))
         for (name, label), fields in _FIELDS.items():
@@ -136,4 +143,20 @@ class EngineView:
         out["kv_reused_blocks"] = snap.kv_reused
         if first is not None and snap.kv_reused >= first.kv_reused:
             out["kv_reused_last_minute"] = snap.kv_reused - first.kv_reused
+        out["kv_reuse_hit_rate"] = self.reuse_hit_rate()
         return out
+
+    def reuse_hit_rate(self) -> float | None:
+        """Of the prompt blocks of the last minute, the fraction served from the KV cache:
+        reused blocks over prompt tokens in blocks (TRT-LLM exports no missed-block count,
+        so the denominator is the input-token histogram's sum). None: no prompt finished in
+        the window, or the counters went back (a restart), or the engine exports no
+        input-token histogram."""
+        snap, first = self.latest, self._first_of_window
+        if snap is None or first is None or not snap.tokens_per_block:
+            return None
+        reused = snap.kv_reused - first.kv_reused
+        prompt_blocks = (snap.input_tokens - first.input_tokens) / snap.tokens_per_block
+        if reused < 0 or prompt_blocks <= 0:
+            return None
+        return round(min(1.0, reused / prompt_blocks), 3)

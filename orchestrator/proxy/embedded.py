@@ -283,7 +283,7 @@ class EmbeddedProxy:
         for iid in self._ready_ids - ready:
             self._balancer.forget(iid)  # it restarts: its cache (prefix affinity) is gone
         self._ready_ids = ready
-        self.metrics.set_ready(ready)
+        self.metrics.set_ready(backends)
 
     # --- metrics listener -------------------------------------------------------------
     async def _handle_metrics(self, request: web.BaseRequest) -> web.StreamResponse:

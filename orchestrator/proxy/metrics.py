@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import parse_host_port
 from ..errors import OrchError
+from .backends import Backend
 from .recent import RecentLLM
 
 NO_INSTANCE = "none"  # label for requests answered by the proxy itself (403, 404, 503...)
@@ -76,6 +78,8 @@ class ProxyMetrics:
                                "Instances chosen for an attempt, by policy and the policy's reason",
                                ("policy", "reason", "instance"), registry=r)
         self.recent = RecentLLM()  # the last minute, for `status` and `top`
+        self._engines = EngineCollector()
+        r.register(self._engines)
         self._held_gauges: dict[str, Callable[[], int]] = {}
         self._routing_children: dict[tuple[str, str, str], Counter] = {}
         self._llm_children: dict[tuple[str, str], tuple[Histogram, Histogram, Counter]] = {}
@@ -131,8 +135,10 @@ class ProxyMetrics:
         self.upstream_failures.labels(instance, reason).inc()
 
     # --- from the ready set -------------------------------------------------------
-    def set_ready(self, instance_ids: Iterable[str]) -> None:
-        ids = set(instance_ids)
+    def set_ready(self, backends: Iterable[Backend]) -> None:
+        backends = tuple(backends)
+        self._engines.backends = backends
+        ids = {b.instance_id for b in backends}
         self.ready_instances.set(len(ids))
         for iid in ids:
             self.instance_ready.labels(iid).set(1)
@@ -157,6 +163,43 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """What each ready instance's engine last reported, read at scrape time from the
+    views the instances' engine monitors keep (nothing on the request path). A stale
+    view exports nothing: no number is better than an old one."""
+
+    # (metric suffix, help, snapshot -> value)
+    GAUGES = (
+        ("waiting", "Requests the engine holds but does not run (TRT-LLM waiting + Triton's pending)",
+         lambda s, v: s.queued),
+        ("active", "Requests in the engine's active batch", lambda s, v: s.active),
+        ("max_active", "The engine's batch limit", lambda s, v: s.max_active),
+        ("kv_fraction", "Fraction of the engine's KV cache blocks in use", lambda s, v: s.kv_fraction),
+        ("kv_reuse_hit_rate", "Prompt blocks of the last minute served from the KV cache",
+         lambda s, v: v.reuse_hit_rate()),
+    )
+
+    def __init__(self) -> None:
+        self.backends: tuple[Backend, ...] = ()
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(f"trtllm_orch_engine_{name}", doc, labels=("instance",))
+                for name, doc, _ in self.GAUGES]
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        families = self.describe()
+        for backend in self.backends:
+            view = backend.engine
+            snap = view.fresh() if view is not None else None
+            if snap is None:
+                continue
+            for family, (_, _, value_of) in zip(families, self.GAUGES):
+                value = value_of(snap, view)
+                if value is not None:
+                    family.add_metric((backend.instance_id,), value)
+        return families
 
 
 class TokenTimer:

@@ -294,7 +294,7 @@ class NginxProxy:
     def _on_ready_set(self, backends: tuple[Backend, ...]) -> None:
         # Called synchronously by ReadyBackends.publish. One writer task at a time; it
         # re-reads the set after each write, so a change during a write is not lost.
-        self.metrics.set_ready(b.instance_id for b in backends)
+        self.metrics.set_ready(backends)
         if self._stopping or self._loop is None:
             return
         if self._ready_task is None or self._ready_task.done():
