@@ -5,6 +5,7 @@ In-process fakes on loopback: one raw-bytes gRPC server, and a port nobody liste
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import grpc
@@ -63,3 +64,56 @@ async def test_refused_instance_cools_down_for_the_next_calls():
     finally:
         await proxy.stop(0.5)
         await server.stop(None)
+
+
+class Tagged(grpc.GenericRpcHandler):
+    """Answers b"<tag>:<request>" after `delay_s`; counts the calls it took and those cancelled."""
+
+    def __init__(self, tag: bytes, delay_s: float) -> None:
+        self.tag, self.delay_s = tag, delay_s
+        self.calls = self.cancelled = 0
+
+    def service(self, details):
+        async def unary(request: bytes, context) -> bytes:
+            self.calls += 1
+            try:
+                await asyncio.sleep(self.delay_s)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            return self.tag + b":" + request
+        return grpc.unary_unary_rpc_method_handler(unary)
+
+
+async def serve(handler: grpc.GenericRpcHandler) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def test_no_first_message_in_time_is_cancelled_and_retried_elsewhere():
+    silent, fast = Tagged(b"silent", 30.0), Tagged(b"fast", 0.0)
+    (s1, p1), (s2, p2) = await serve(silent), await serve(fast)
+    ready = RecordingBackends()
+    ready.publish((Backend("0", "127.0.0.1", 1, p1, 1), Backend("1", "127.0.0.1", 1, p2, 1)))
+    proxy = GrpcProxy(Settings(grpc_listen="127.0.0.1:0", lb_policy="round-robin", first_byte_timeout_s=0.3),
+                      ready)
+    await proxy.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.bound_port}") as ch:
+            call = ch.unary_unary(INFER)
+            for i in range(4):
+                assert await call(b"%d" % i, timeout=10) == b"fast:%d" % i
+        assert silent.calls >= 1
+        for _ in range(50):  # the cancel reaches the silent server through its channel
+            if silent.cancelled == silent.calls:
+                break
+            await asyncio.sleep(0.05)
+        assert silent.cancelled == silent.calls
+        assert 'reason="first_byte_timeout"' in proxy.metrics.render().decode()
+    finally:
+        await proxy.stop(0.5)
+        await s1.stop(None)
+        await s2.stop(None)

@@ -1,5 +1,7 @@
 """Errors from an instance that cannot serve are retried elsewhere; real client errors are not."""
 
+import asyncio
+
 import aiohttp
 from aiohttp import web
 import pytest
@@ -83,3 +85,56 @@ async def test_client_error_from_ready_instance_is_passed_through():
         await proxy.stop()
         await a.close()
         await b.close()
+
+
+async def start_with(settings: Settings, *upstreams: AppUpstream) -> EmbeddedProxy:
+    backends = ReadyBackends()
+    backends.publish(tuple(backend(str(i), u.port) for i, u in enumerate(upstreams)))
+    proxy = EmbeddedProxy(settings, backends)
+    await proxy.start()
+    return proxy
+
+
+def silent_for(seconds: float, cancelled: list[bool]):
+    async def handler(request):
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            cancelled.append(True)  # the proxy gave up on it and closed the connection
+            raise
+        return web.json_response({"port": request.transport.get_extra_info("sockname")[1]})
+    return handler
+
+
+async def test_no_first_byte_in_time_is_cancelled_and_retried_elsewhere():
+    cancelled: list[bool] = []
+    slow, good = await AppUpstream(silent_for(30, cancelled)).start(), await AppUpstream().start()
+    proxy = await start_with(Settings(listen="127.0.0.1:0", metrics_listen="", lb_policy="round-robin",
+                                      first_byte_timeout_s=0.3), slow, good)
+    try:
+        results = [await post(proxy) for _ in range(4)]
+        assert all(code == 200 and body["port"] == good.port for code, body in results), results
+        assert len(slow.requests) >= 1
+        for _ in range(50):  # the cancel reaches the slow upstream's handler through its socket
+            if len(cancelled) == len(slow.requests):
+                break
+            await asyncio.sleep(0.05)
+        assert len(cancelled) == len(slow.requests), (cancelled, len(slow.requests))
+        metrics = proxy.metrics.render().decode()
+        assert 'trtllm_orch_proxy_retries_total{instance="0",reason="first_byte_timeout"}' in metrics
+    finally:
+        await proxy.stop()
+        await slow.close()
+        await good.close()
+
+
+async def test_without_a_first_byte_deadline_a_slow_instance_is_waited_for():
+    cancelled: list[bool] = []
+    slow = await AppUpstream(silent_for(0.6, cancelled)).start()
+    proxy = await start_with(Settings(listen="127.0.0.1:0", metrics_listen=""), slow)
+    try:
+        code, body = await post(proxy)
+        assert code == 200 and body["port"] == slow.port and not cancelled
+    finally:
+        await proxy.stop()
+        await slow.close()
