@@ -23,7 +23,7 @@ from pathlib import Path
 DEMO = Path(__file__).resolve().parent
 TEMPLATES = DEMO / "templates"
 SOURCE_REPO = DEMO / "model_repo"
-MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble")
+MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
 
 # Values suited to the tests and the demo. The orchestrator's tests rely on
 # exclude_input_in_output:true (generate answers only the new text) and on 64 slots.
@@ -55,6 +55,9 @@ DEFAULTS = {
     "skip_special_tokens": "true",
     "preprocessing_instance_count": "1",
     "postprocessing_instance_count": "1",
+    "bls_instance_count": "1",
+    "accumulate_tokens": "false",
+    "tensorrt_llm_model_name": "tensorrt_llm",
     "twin_decode_ms": "20",
     "twin_prefill_ms_per_token": "0.05",
     "twin_tokens_per_block": "64",

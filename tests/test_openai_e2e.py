@@ -159,3 +159,33 @@ def test_nothing_ready_is_503(orch):
         time.sleep(0.1)
     assert err is not None and err.status_code == 503 and err.response.headers.get("Retry-After"), err
     assert err.body["type"] == "server_error" and err.body["code"] == "no_instance_ready"
+
+
+@pytest.fixture(scope="module")
+def bls_orch(tmp_path_factory):
+    """The OpenAI API in front of tensorrt_llm_bls (--openai-model) rather than the ensemble."""
+    if triton_env() is None:
+        pytest.skip("no .triton/env: run scripts/setup-triton (the README's test command does)")
+    run = Run(tmp_path_factory.mktemp("openai-bls"), gpus="0", tp=1, assume_gpus=1, proxy="embedded",
+              extra=EXTRA + ("--openai-model", "tensorrt_llm_bls"), env_extra={"DEMO_TOKEN_DELAY_MS": "5"})
+    try:
+        run.start(timeout=120)
+        wait_endpoint(run, "embedded", 1)
+        yield run
+    finally:
+        leaked = run.close()
+    assert not leaked, f"processes left running after the daemon: {leaked}"
+
+
+def test_bls_as_the_openai_model(bls_orch):
+    c = client(bls_orch)
+    assert [m.id for m in c.models.list().data] == ["tensorrt_llm_bls"]
+    r = c.completions.create(model="tensorrt_llm_bls", prompt="hello", max_tokens=5)
+    assert r.choices[0].text == vocab.generate_text("hello", 5) and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5, 5)
+    chunks = list(c.chat.completions.create(model="tensorrt_llm_bls", messages=[{"role": "user", "content": "stream"}],
+                                            max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    prompt = chat_prompt(("user", "stream"))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == vocab.generate_text(prompt, 6)
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) == 6  # token by token
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == len(prompt.encode())

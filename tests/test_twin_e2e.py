@@ -200,6 +200,91 @@ def test_plain_infer_on_non_streaming_repo(plain):
             "ensemble", _ensemble_inputs(httpclient, "x", 2, stream=True))
 
 
+def _with_counts(mod, prompt, n, stream=None):
+    flags = [mod.InferInput(f, [1, 1], "BOOL") for f in ("return_log_probs", "return_num_output_tokens")]
+    for f in flags:
+        f.set_data_from_numpy(np.array([[True]], bool))
+    return _ensemble_inputs(mod, prompt, n, stream) + flags
+
+
+def test_bls_answers_as_the_ensemble_on_non_streaming_repo(plain):
+    """tensorrt_llm_bls chains the three models itself: same text and outputs as the ensemble, plain infer."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    outs = ["text_output", "cum_log_probs", "output_log_probs", "num_output_tokens"]
+    for mod, c in ((httpclient, httpclient.InferenceServerClient(plain.http[len("http://"):])),
+                   (grpcclient, grpcclient.InferenceServerClient(plain.grpc))):
+        got = {}
+        for model in ("ensemble", "tensorrt_llm_bls"):
+            r = c.infer(model, _with_counts(mod, "bls plain", 5),
+                        outputs=[mod.InferRequestedOutput(o) for o in outs])
+            got[model] = {o: r.as_numpy(o).tolist() for o in outs}
+        assert got["tensorrt_llm_bls"] == got["ensemble"]
+        assert got["ensemble"]["text_output"][0] == ("bls plain" + tokens.generate_text("bls plain", 5)).encode()
+        assert got["ensemble"]["num_output_tokens"] == [[5]]
+    body = _body("bls generate", 4)
+    assert (_post(plain.http, "/v2/models/tensorrt_llm_bls/generate", body)["text_output"]
+            == _post(plain.http, "/v2/models/ensemble/generate", body)["text_output"])
+    with pytest.raises(urllib.error.HTTPError) as exc:   # validated before any model runs, as TRT-LLM's BLS does
+        _post(plain.http, "/v2/models/tensorrt_llm_bls/generate", _body("none", 0))
+    assert "max_tokens must be a single value > 0" in exc.value.read().decode()
+
+
+def test_bls_streams_per_token_as_the_ensemble_on_streaming_repo(streaming):
+    import tritonclient.grpc as grpcclient
+    n, prompt = 7, "bls stream"
+    chunks = {m: _grpc_stream(streaming.grpc, m, _with_counts(grpcclient, prompt, n, stream=True),
+                              ["text_output", "num_output_tokens"], request_id=m)
+              for m in ("ensemble", "tensorrt_llm_bls")}
+    texts = {m: [c["text_output"].reshape(-1)[0].decode() for c in cs] for m, cs in chunks.items()}
+    assert texts["tensorrt_llm_bls"] == texts["ensemble"]
+    assert len(texts["ensemble"]) == n and "".join(texts["ensemble"]) == tokens.generate_text(prompt, n)
+    assert [c["num_output_tokens"].tolist() for c in chunks["tensorrt_llm_bls"]] == [[[1]]] * n
+    # stream false on the decoupled repository: one response with the whole text.
+    (whole,) = _grpc_stream(streaming.grpc, "tensorrt_llm_bls",
+                            _ensemble_inputs(grpcclient, prompt, n, stream=False), ["text_output"])
+    assert whole["text_output"].reshape(-1)[0].decode() == "".join(texts["ensemble"])
+    req = urllib.request.Request(streaming.http + "/v2/models/tensorrt_llm_bls/generate_stream",
+                                 data=json.dumps(_body(prompt, n, stream=True)).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        sse = [json.loads(line[5:])["text_output"] for line in r if line.startswith(b"data:")]
+    assert sse == texts["ensemble"]
+
+
+def test_bls_accumulate_tokens_streams_the_text_so_far(tmp_path):
+    import tritonclient.grpc as grpcclient
+    s = Server(fill_template.write_repo(tmp_path / "repo", streaming=True, overrides={"accumulate_tokens": "true"}),
+               tmp_path)
+    try:
+        chunks = _grpc_stream(s.grpc, "tensorrt_llm_bls", _ensemble_inputs(grpcclient, "so far", 4, stream=True),
+                              ["text_output"])
+    finally:
+        s.close()
+    assert [c["text_output"].reshape(-1)[0].decode() for c in chunks] == [
+        tokens.generate_text("so far", i) for i in range(1, 5)]
+
+
+def test_bls_stream_cancelled_by_its_client_stops_the_generation(streaming):
+    """The BLS model's own call into tensorrt_llm is not cancelled with its client's request:
+    it sends `stop` with its request id, as TRT-LLM's BLS does, and the engine frees the slot."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    got = queue.Queue()
+    c = grpcclient.InferenceServerClient(streaming.grpc)
+    c.start_stream(callback=lambda result, error: got.put(error))
+    c.async_stream_infer("tensorrt_llm_bls", _ensemble_inputs(grpcclient, "cancel me", 2000, stream=True))
+    for _ in range(3):
+        assert got.get(timeout=30) is None
+    assert streaming.metrics()[("nv_trt_llm_request_metrics", "active")] == 1
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.monotonic() + 5      # 2000 tokens would take 40 s
+    while streaming.metrics()[("nv_trt_llm_request_metrics", "active")] != 0:
+        assert time.monotonic() < deadline, "the generation went on after its client cancelled"
+        time.sleep(0.05)
+
+
 def test_two_slots_six_requests_metrics_and_queue_limit(two_slots):
     plain = two_slots
     n, step = 80, 0.02
