@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import json
 import re
 import shutil
 import signal
@@ -24,7 +26,8 @@ import psutil
 import pytest
 
 from tests.test_e2e_faults import Load, fault_case, get_code, mpirun_of, post, rank_proc, stubs_of
-from tests.test_twin_e2e import _ensemble_inputs, _grpc_stream, _inputs, fill_template, tokens
+from tests.test_demo_model import _body
+from tests.test_twin_e2e import _ensemble_inputs, _grpc_stream, _inputs, fill_template, tokens, ttft_at, twin_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -162,6 +165,48 @@ def iteration_counter(metrics_port):
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
     return float(re.search(r'nv_trt_llm_general_metrics\{general_type="iteration_counter"[^}]*\} (\S+)', text)[1])
+
+
+@pytest.mark.parametrize("proxy", PROXIES)
+def test_engine_batches_queues_and_reuses_behind_the_endpoint(orch_run, tmp_path, proxy):
+    """The engine's behaviour as a client of the endpoint sees it, the instance under
+    mpirun: a repeated long prompt's TTFT drops to a third with KV reuse, shown in the
+    reused blocks; with 2 batch slots, 6 concurrent requests run 2 at a time (the other 4
+    in the engine's queue) and finish in three waves n steps apart."""
+    if proxy == "nginx" and not NGINX:
+        pytest.skip("nginx missing")
+    decode_s, n = 0.01, 60
+    repo = fill_template.write_repo(tmp_path / "repo", streaming=True, overrides={
+        "twin_engine_max_batch_size": "2", "twin_engine_max_queue_size": "4", "enable_kv_cache_reuse": "true",
+        "twin_prefill_ms_per_token": "0.2", "twin_decode_ms": str(decode_s * 1000)})
+    run = orch_run(gpus="0", tp=1, assume_gpus=1, proxy=proxy, model_repo=repo,
+                   extra=(("--nginx", NGINX) if proxy == "nginx" else ()) + ("--canary-interval-s", "0")).start()
+    metrics_url = f"http://127.0.0.1:{run.status()['instances'][0]['ports']['metrics']}/metrics"
+    endpoint = run.url("")
+
+    prompt = ("a long shared system prompt " * 200)[:4000]     # 62 full blocks of 64 tokens
+    first, second = ttft_at(endpoint, prompt), ttft_at(endpoint, prompt)
+    assert first >= 0.8 and second <= first / 3, (first, second)   # 4000 x 0.2 ms of prefill, then cached
+    assert twin_metrics(metrics_url)[("nv_trt_llm_kv_cache_block_metrics", "reused")] == (4000 - 1) // 64
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(lambda i: (post(endpoint + "/v2/models/ensemble/generate",
+                                          json.dumps(_body(f"slot {i}", n)).encode()), time.monotonic() - t0), i)
+                for i in range(6)]
+        deadline, seen = time.monotonic() + 5, []
+        while time.monotonic() < deadline:   # until all six have reached the engine
+            m = twin_metrics(metrics_url)
+            seen.append((m[("nv_trt_llm_request_metrics", "active")], m[("twin_executor_queued_requests", "")]))
+            if seen[-1] == (2, 4):
+                break
+            time.sleep(0.02)
+        results = [f.result() for f in futs]
+    assert seen[-1] == (2, 4), seen
+    assert all(code == 200 for (code, _), _ in results), results
+    done = sorted(t for _, t in results)
+    assert all(done[i + 1] - done[i] < 0.5 * n * decode_s for i in (0, 2, 4)), done      # two at a time
+    assert all(0.8 * n * decode_s <= done[i + 1] - done[i] <= 2.5 * n * decode_s for i in (1, 3)), done
 
 
 def test_stopped_rank1_server_is_healed_under_load_and_its_death_ends_the_job(orch_run):

@@ -48,17 +48,22 @@ class Server:
             raise
 
     def metrics(self):
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
-            text = r.read().decode()
-        out = {}
-        for m in re.finditer(r'^(\w+)\{([^}]*)\} (\S+)$', text, re.M):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            cat = [v for k, v in labels.items() if k not in ("model", "version")]
-            out[(m.group(1), cat[0] if cat else "")] = float(m.group(3))
-        return out
+        return twin_metrics(self.metrics_url)
 
     def close(self):
         _stop(self.proc)
+
+
+def twin_metrics(url):
+    """{(family, its category label's value): value} of a server's metrics page."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for m in re.finditer(r'^(\w+)\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        cat = [v for k, v in labels.items() if k not in ("model", "version")]
+        out[(m.group(1), cat[0] if cat else "")] = float(m.group(3))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -330,8 +335,13 @@ def test_two_slots_six_requests_metrics_and_queue_limit(two_slots):
 
 
 def _ttft(server, prompt):
+    return ttft_at(server.http, prompt)
+
+
+def ttft_at(base_url, prompt):
+    """Seconds to the first SSE event of a 2-token generate_stream at base_url."""
     t0 = time.monotonic()
-    req = urllib.request.Request(server.http + "/v2/models/ensemble/generate_stream",
+    req = urllib.request.Request(base_url + "/v2/models/ensemble/generate_stream",
                                  data=json.dumps(_body(prompt, 2, stream=True)).encode(), method="POST")
     with urllib.request.urlopen(req, timeout=30) as r:
         for line in r:
