@@ -14,6 +14,13 @@ one takes the whole MPI job down. The Python backend stub is not an MPI rank, so
   iteration; rank 0's own metric updates do the same for its own server.
 - Why not BLS: the Python backend allows BLS only inside execute(), and nothing ever
   sends a request to a worker rank (its server serves no endpoint).
+- Why not a C/C++ Triton backend speaking MPI inside tritonserver: it would be the
+  closest copy, but it must be compiled against the server's backend API and an MPI
+  whose ABI matches the mpirun that launches it (Open MPI 5 from PyPI here, Debian's 4.1
+  on the GPU hosts), so every host would need a toolchain and headers, and CI a C++
+  build. A synchronous custom-metric call gives the property the orchestrator depends
+  on (a stopped or dead rank server stops the group within one iteration) with the
+  Python backend every twin model already uses.
 - Where torch + CUDA exist, `NcclLink` adds a real NCCL all-reduce per iteration on
   every rank's local GPU, so a dead or stopped peer also leaves the others blocked
   inside NCCL, as a real TP group is.
