@@ -505,7 +505,7 @@ async def test_unknown_method_unimplemented(tritons, proxy_factory):
 
 @pytest.mark.unit
 async def test_no_ready_backend(proxy_factory):
-    proxy, _ = await proxy_factory(())
+    proxy, _ = await proxy_factory((), hold_s=0.3)  # the hold itself is tested elsewhere
     client = client_for(proxy)
     try:
         with pytest.raises(InferenceServerException) as exc:

@@ -389,7 +389,7 @@ async def test_idle_timeout_mid_stream_truncates(h):
 
 async def test_503_with_retry_after_when_none_ready(h):
     a = await up(h)
-    await h.start()
+    await h.start(hold_s=0.3)  # past the hold (tested elsewhere), the 503
     async with h.session.post(h.url + INFER, data=b"{}") as r:
         assert r.status == 503
         assert r.headers["Retry-After"]
