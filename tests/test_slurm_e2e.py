@@ -22,8 +22,8 @@ import urllib.request
 import pytest
 
 from tests.harness import REPO, tagged
-from tests.slurm_cluster import (ADDRESSES, SlurmCluster, assert_nodes_clean, cannot_run_here, ranks_on,
-                                 wait_until)
+from tests.slurm_cluster import (ADDRESSES, SlurmCluster, assert_nodes_clean, cannot_run_here, ns_processes,
+                                 ranks_on, wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -168,6 +168,71 @@ def test_two_nodes_one_group_each_heal_node_failure_and_down(orch_run, cluster, 
     assert tagged(run.state_dir) == []
 
 
+@pytest.fixture
+def exclusive_allocation(cluster):
+    """Every CPU of both nodes: under srun --mpi=pmix each rank is a task with a CPU of its own
+    (the default allocation holds one CPU per node)."""
+    job = cluster.allocate(2, 2, "--exclusive")
+    yield job
+    cluster.release(job)
+    wait_until(lambda: not cluster.steps(), 30, "steps gone after scancel")
+
+
+def rank_env(proc) -> dict[str, str]:
+    env = proc.environ()
+    return {k: env.get(k, "") for k in ("PMIX_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "TRTLLM_ORCH_INSTANCE")}
+
+
+def test_pmix_steps_start_every_rank_by_slurm_heal_a_killed_rank_and_down(orch_run, cluster,
+                                                                          exclusive_allocation):
+    """--slurm-mpi pmix, --tp 2 on 2 nodes x 2 GPUs: one group per node, each a step of
+    `srun --mpi=pmix` whose 2 tasks are the ranks themselves (no mpirun anywhere)."""
+    t0 = time.monotonic()
+    run = slurm_run(orch_run, cluster, exclusive_allocation, "--slurm-mpi", "pmix").start(timeout=120)
+    ready_s = time.monotonic() - t0
+    insts = instances(run.status())
+    assert {iid: (i["nodes"], i["bind_address"], i["gpus"]) for iid, i in insts.items()} == {
+        "0": (["node1"], ADDRESSES["node1"], [0, 1]), "1": (["node2"], ADDRESSES["node2"], [0, 1])}
+    steps = {name.rsplit(".", 1)[1]: node for _, name, node in cluster.steps()}
+    assert steps == {"i0": "node1", "i1": "node2"}
+    # Each rank is a Slurm task with its PMIx rank, started by slurmstepd: no mpirun, no OMPI rank.
+    for node, iid in (("node1", "0"), ("node2", "1")):
+        ranks = ranks_on(node, iid)
+        envs = sorted((rank_env(p) for p in ranks), key=lambda e: e["PMIX_RANK"])
+        assert [(e["PMIX_RANK"], e["SLURM_PROCID"], e["OMPI_COMM_WORLD_RANK"]) for e in envs] == \
+            [("0", "0", ""), ("1", "1", "")], envs
+        assert {p.parent().name() for p in ranks} == {"slurmstepd"}
+        assert not [p for p in ns_processes(node) if p.name() in ("mpirun", "prterun", "prted", "orted")]
+    assert not ranks_on("node1", "1") and not ranks_on("node2", "0")
+
+    # Requests through the one endpoint reach both groups.
+    before = {iid: served(i["bind_address"], i["ports"]["metrics"]) for iid, i in insts.items()}
+    assert [generate(run.url("/v2/models/ensemble/generate")) for _ in range(12)] == [200] * 12
+    after = {iid: served(i["bind_address"], i["ports"]["metrics"]) for iid, i in insts.items()}
+    assert all(after[iid] > before[iid] for iid in insts), (before, after)
+
+    # kill -9 of node 2's worker rank (it serves nothing: only the step's end tells): Slurm
+    # ends the step (--kill-on-bad-exit), srun exits, the group restarts on node 2.
+    node1_ranks = {p.pid for p in ranks_on("node1", "0")}
+    worker = next(p for p in ranks_on("node2", "1") if rank_env(p)["PMIX_RANK"] == "1")
+    t_kill = time.monotonic()
+    worker.send_signal(signal.SIGKILL)
+    st = run.wait_for(lambda s: instances(s)["1"]["restarts"] >= 1 and instances(s)["1"]["state"] == "READY",
+                      60, "instance 1 relaunched")
+    healed_s = time.monotonic() - t_kill
+    assert instances(st)["1"]["nodes"] == ["node2"] and len(ranks_on("node2", "1")) == 2
+    assert worker.pid not in {p.pid for p in ranks_on("node2", "1")}
+    assert instances(st)["0"]["restarts"] == 0 and {p.pid for p in ranks_on("node1", "0")} == node1_ranks
+    assert [generate(run.url("/v2/models/ensemble/generate")) for _ in range(4)] == [200] * 4
+
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert cluster.steps() == []
+    assert_nodes_clean()
+    assert tagged(run.state_dir) == []
+    print(f"pmix: READY {ready_s:.1f}s after up; killed worker rank healed in {healed_s:.1f}s")
+
+
 def test_down_after_a_sigkilled_daemon_finds_the_steps_by_name(orch_run, cluster, allocation):
     run = slurm_run(orch_run, cluster, allocation).start(timeout=120)
     srun_pids = [p for i in run.status()["instances"] for p in i["pids"]]
@@ -212,3 +277,39 @@ def test_launcher_slurm_outside_an_allocation_is_exit_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.startswith("trtllm-orch: error: --launcher='slurm': not inside a Slurm allocation")
     assert out.stderr.count("\n") == 1 and not (tmp_path / "s").exists()
+
+
+
+def test_a_group_across_nodes_starts_under_pmix_and_the_twin_refuses_it_in_one_line(orch_run, cluster,
+                                                                                  exclusive_allocation):
+    """--tp 4 on 2 nodes x 2 GPUs: one group across both nodes, started by `srun --mpi=pmix`
+    (auto). The launch works (4 tasks, ranks 0-1 on node1, 2-3 on node2); the twin cannot
+    couple ranks of two nodes (Unix sockets in its group dir) and says so in one line instead
+    of having rank 0 wait for its peers forever; a failed task ends the step, and the group
+    is never READY."""
+    run = slurm_run(orch_run, cluster, exclusive_allocation)
+    run.args[run.args.index("--tp") + 1] = "4"
+    t0 = time.monotonic()
+    run.start(wait_ready=False)
+    needle = "twin: this TP group's 4 ranks are on 2 nodes (SLURM_STEP_NUM_NODES)"
+    log_path = run.state_dir / "instances" / "0" / "instance.log"
+    wait_until(lambda: log_path.exists() and needle in log_path.read_text(errors="replace"), 60, "the twin's line")
+    refused_s = time.monotonic() - t0
+    log_text = log_path.read_text(errors="replace")
+    assert "--mpi=pmix" in log_text and "--nodes=2" in log_text and "--ntasks=4" in log_text
+    # Slurm ends the step at the first failed task (--kill-on-bad-exit): no rank waits on.
+    wait_until(lambda: "Terminating StepId" in log_path.read_text(errors="replace"), 30, "step terminated")
+    inst = instances(run.status())["0"]
+    assert inst["nodes"] == ["node1", "node2"] and inst["state"] != "READY"
+    # A rank SIGTERMed while its models still load leaves Python stubs that escape this
+    # cluster's proctrack/linuxproc (orphans are not in the step's process tree) and keep
+    # the step listed until they notice (about 60 s); `down` says so and is run again.
+    deadline = time.monotonic() + 120
+    while (out := run.down()).returncode != 0 and time.monotonic() < deadline:
+        assert "Slurm still lists job step(s)" in out.stderr, out.stderr
+        time.sleep(5)
+    assert out.returncode == 0, out.stderr
+    assert cluster.steps() == []
+    assert_nodes_clean()
+    assert tagged(run.state_dir) == []
+    print(f"pmix across nodes: the twin refused in {refused_s:.1f}s after up")

@@ -138,3 +138,35 @@ def test_pmix_step_runs_each_rank_by_its_procid():
     script = argv[-1]
     assert script.startswith('case "$SLURM_PROCID" in 0) exec env CUDA_VISIBLE_DEVICES=0,1 ts --rank0;;')
     assert "3) exec env CUDA_VISIBLE_DEVICES=0,1 ts --r3;;" in script
+
+
+def test_pmix_and_mpirun_steps_make_the_group_dir_on_their_node():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1", "TRTLLM_ORCH_GROUP_DIR": "/run/o/instances/1"}
+    pmix = srun_pmix(env, [["ts", "--r0"], ["ts", "--r1"]], INST, srun="srun", job_id="7", name="n", cpus=2)
+    mkdir, _, case = pmix.argv[-1].partition(" && ")
+    assert mkdir == "mkdir -p -m 700 /run/o/instances/1" and case.startswith('case "$SLURM_PROCID" in 0) ')
+    local = LaunchCommand(("/x/mpirun", "-n", "1", "ts"), env)
+    inner = srun_mpirun(local, INST, srun="srun", job_id="7", name="n", cpus=2).argv[-1]
+    assert inner.startswith("mkdir -p -m 700 /run/o/instances/1 && ")
+
+
+SLURM_PMIX_TASK = {"PMIX_RANK": "1", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
+                   "SLURM_LOCALID": "1", "SLURM_STEP_NUM_NODES": "1", "PMIX_NAMESPACE": "slurm.pmix.2.2"}
+
+
+def test_twin_rank_layout_from_srun_pmix_and_from_mpirun_inside_a_step():
+    from demo.twin.ranks import mpi_layout
+    assert mpi_layout(SLURM_PMIX_TASK) == (1, 2, 1)
+    # mpirun's rank 1 inside a one-task step also carries the step's SLURM_PROCID=0, SLURM_NTASKS=1.
+    inside = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+              "PMIX_RANK": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    assert mpi_layout(inside) == (1, 2, 1)
+    assert mpi_layout({}) == (0, 1, 0)
+
+
+def test_twin_refuses_a_group_whose_ranks_slurm_put_on_several_nodes():
+    from demo.twin.ranks import SpansNodes, mpi_layout
+    with pytest.raises(SpansNodes, match=r"4 ranks are on 2 nodes .* use a --tp that fits a node"):
+        mpi_layout({**SLURM_PMIX_TASK, "PMIX_RANK": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2"})
+    # mpirun's ranks inside a step that spans nodes (a daemon in `srun -N2 --pty`) are its own.
+    assert mpi_layout({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "SLURM_STEP_NUM_NODES": "2"})[0] == 1

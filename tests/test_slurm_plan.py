@@ -88,6 +88,27 @@ def test_each_step_gets_its_share_of_the_nodes_cpus():
     assert step_cpus(wide, nodes(2, 4, cpus=16)) == {"0": 4}  # per task: 4 ranks share a node
 
 
+def test_pmix_gives_every_rank_a_task_with_its_share_and_refuses_too_few_cpus():
+    from orchestrator.launcher.slurm_prepare import pmix_task_cpus
+    alloc = nodes(2, 2, cpus=4)
+    plan = make_cluster_plan(alloc, "all", 2, 8000)
+    assert pmix_task_cpus(plan, alloc) == ({"0": 2, "1": 2}, [])  # 2 tasks of 2 CPUs on each node
+    one_cpu = nodes(2, 2, cpus=1)  # salloc's default: one CPU per node
+    share, short = pmix_task_cpus(make_cluster_plan(one_cpu, "all", 2, 8000), one_cpu)
+    assert short == ["n1 holds 1 CPU(s) of the allocation for 2 rank(s)",
+                     "n2 holds 1 CPU(s) of the allocation for 2 rank(s)"]
+
+
+def test_pmix_probe_names_the_missing_pmix_library():
+    from orchestrator.launcher.slurm_cli import Result
+    from orchestrator.launcher.slurm_prepare import pmix_problem
+    err = ("srun: error:  mpi/pmix_v4: init: (null) [0]: mpi_pmix.c:195: pmi/pmix: can not load PMIx library\n"
+           "srun: error: Invalid MPI type 'pmix', --mpi=list for acceptable types\n")
+    problem = pmix_problem("7", "ab", run=lambda argv, timeout_s: Result(1, "", err))
+    assert problem is not None and "cannot load the PMIx library" in problem and "libpmix-dev" in problem
+    assert pmix_problem("7", "ab", run=lambda argv, timeout_s: Result(0, "", "")) is None
+
+
 def test_launcher_auto_follows_the_allocation():
     assert resolve_launcher("auto", {}) == "local"
     assert resolve_launcher("auto", {"SLURM_JOB_ID": "7"}) == "slurm"

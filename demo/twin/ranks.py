@@ -42,11 +42,33 @@ def env_int(*names, default=0, environ=None):
     return default
 
 
+class SpansNodes(RuntimeError):
+    """A group whose ranks are on several nodes: the twin cannot couple them."""
+
+
 def mpi_layout(environ=None):
-    """(rank, world_size, local_rank) from Open MPI or MPICH/PMI variables."""
-    return (env_int("OMPI_COMM_WORLD_RANK", "PMI_RANK", environ=environ),
-            env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1, environ=environ),
-            env_int("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", environ=environ))
+    """(rank, world_size, local_rank) from Open MPI or MPICH/PMI variables, else from
+    Slurm's own launch (`srun --mpi=pmix`: PMIX_RANK / SLURM_PROCID, SLURM_STEP_NUM_TASKS,
+    SLURM_LOCALID; PMIx itself exports no size). mpirun's variables come first: a rank
+    of mpirun inside a one-task Slurm step also inherits that step's SLURM_PROCID=0.
+
+    Raises SpansNodes for ranks that Slurm started on more than one node: the twin's
+    coupling is a Unix socket (and NCCL's rendezvous a file) in $TRTLLM_ORCH_GROUP_DIR,
+    which only ranks of one node share; rank 0 would wait for its peers forever.
+    """
+    env = os.environ if environ is None else environ
+    by_mpi = any(env.get(n) not in (None, "") for n in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+    layout = (env_int("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", environ=env),
+              env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1,
+                      environ=env),
+              env_int("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID",
+                      environ=env))
+    nodes = env_int("SLURM_STEP_NUM_NODES", default=1, environ=env)
+    if not by_mpi and layout[1] > 1 and nodes > 1:
+        raise SpansNodes(f"twin: this TP group's {layout[1]} ranks are on {nodes} nodes "
+                         "(SLURM_STEP_NUM_NODES); the twin couples ranks through Unix sockets in "
+                         "TRTLLM_ORCH_GROUP_DIR, on one node only: use a --tp that fits a node")
+    return layout
 
 
 def _read_line(sock):

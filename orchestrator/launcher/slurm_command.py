@@ -19,7 +19,7 @@ from __future__ import annotations
 import shlex
 
 from ..plan import InstancePlan
-from .command import LaunchCommand, shm_scope
+from .command import ENV_GROUP_DIR, LaunchCommand, shm_scope
 
 STEP_PREFIX = "trtllm-orch."
 
@@ -66,6 +66,14 @@ def _node_scratch(name: str) -> str:
     return f'd="${{TMPDIR:-/tmp}}/"{d} && rm -rf "$d" && mkdir -m 700 "$d" && export TMPDIR="$d" && '
 
 
+def _node_group_dir(env: dict[str, str]) -> str:
+    # The group's directory (the twin's rank sockets, its NCCL rendezvous file) is a path
+    # in the daemon's state dir, which a node does not have unless the state dir is on a
+    # shared filesystem: the step makes it there.
+    d = env.get(ENV_GROUP_DIR)
+    return f"mkdir -p -m 700 {shlex.quote(d)} && " if d else ""
+
+
 def srun_mpirun(cmd: LaunchCommand, inst: InstancePlan, *, srun: str, job_id: str, name: str, cpus: int,
                 srun_args: tuple[str, ...] = ()) -> LaunchCommand:
     """Today's mpirun command (`cmd`), run as a one-task step on the group's node."""
@@ -75,16 +83,24 @@ def srun_mpirun(cmd: LaunchCommand, inst: InstancePlan, *, srun: str, job_id: st
     # Stated in full, so what sbatch put in the environment (SLURM_NTASKS_PER_NODE,
     # SLURM_MPI_TYPE, ...: srun reads them as defaults) cannot reshape the step.
     argv = [*_srun_head(srun, job_id, name, inst, cpus, srun_args), "--ntasks=1", "--ntasks-per-node=1",
-            "--mpi=none", "/bin/sh", "-c", _node_scratch(name) + "exec " + shlex.join(inner)]
+            "--mpi=none", "/bin/sh", "-c",
+            _node_group_dir(own) + _node_scratch(name) + "exec " + shlex.join(inner)]
     return LaunchCommand(tuple(argv), own)
 
 
 def srun_pmix(env: dict[str, str], rank_argvs: list[list[str]], inst: InstancePlan, *, srun: str,
               job_id: str, name: str, cpus: int, srun_args: tuple[str, ...] = ()) -> LaunchCommand:
-    """One task per rank across the group's nodes; rank r runs `rank_argvs[r]`."""
+    """One task per rank across the group's nodes; rank r runs `rank_argvs[r]`.
+
+    Each task learns its rank from Slurm ($SLURM_PROCID, = $PMIX_RANK), not from mpirun:
+    the twin's `mpi_layout` reads PMIX_RANK / SLURM_PROCID, SLURM_STEP_NUM_TASKS and
+    SLURM_LOCALID. A task that dies (a signal, a non-zero exit) ends the whole step
+    (--kill-on-bad-exit=1), so srun exits and the daemon sees the group fail, as with mpirun.
+    """
     cases = " ".join(f"{r}) exec {shlex.join(['env', *(f'{k}={v}' for k, v in sorted(env.items())), *argv])};;"
                      for r, argv in enumerate(rank_argvs))
-    script = f'case "$SLURM_PROCID" in {cases} *) echo "no rank $SLURM_PROCID" >&2; exit 2;; esac'
+    script = (_node_group_dir(env) +
+              f'case "$SLURM_PROCID" in {cases} *) echo "no rank $SLURM_PROCID" >&2; exit 2;; esac')
     argv = [*_srun_head(srun, job_id, name, inst, cpus, srun_args), f"--ntasks={inst.tp}",
             f"--ntasks-per-node={inst.gpus_per_node}", "--mpi=pmix", "/bin/sh", "-c", script]
     return LaunchCommand(tuple(argv), env)

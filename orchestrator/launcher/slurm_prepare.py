@@ -30,7 +30,32 @@ def pmix_problem(job_id: str, scope: str, run=run_sync) -> str | None:
     cluster may list the plugin (srun --mpi=list) without the PMIx library it loads."""
     res = run(["srun", f"--jobid={job_id}", f"--job-name={STEP_PREFIX}{scope}.probe", "--overlap",
                "--mpi=pmix", "--nodes=1", "--ntasks=1", "/bin/true"], timeout_s=60.0)
-    return None if res.code == 0 else res.line()
+    if res.code == 0:
+        return None
+    if "can not load PMIx library" in res.err:
+        # Slurm's plugin dlopens the unversioned libpmix.so, which Debian ships in the -dev
+        # package; srun's last line ("Invalid MPI type 'pmix'") would hide that.
+        return ("Slurm's mpi/pmix plugin cannot load the PMIx library (libpmix.so; Debian: "
+                "apt-get install libpmix-dev, on every node, then restart slurmd)")
+    return res.line()
+
+
+def pmix_task_cpus(plan, nodes) -> tuple[dict[str, int], list[str]]:
+    """CPUs per task of each group's pmix step, and the nodes that hold too few CPUs.
+
+    Under srun --mpi=pmix every rank is a task of its own (step_cpus counts a one-node
+    group as one mpirun task): a node's CPUs are shared by every rank placed there, and a
+    node with fewer CPUs in the allocation than ranks cannot start the step at all."""
+    cpus = {n.name: n.cpus for n in nodes}
+    tasks: dict[str, int] = {}
+    for inst in plan.instances:
+        for name in inst.nodes:
+            tasks[name] = tasks.get(name, 0) + inst.gpus_per_node
+    short = [f"{name} holds {cpus[name]} CPU(s) of the allocation for {n} rank(s)"
+             for name, n in tasks.items() if cpus[name] < n]
+    share = {inst.instance_id: min(max(1, cpus[name] // tasks[name]) for name in inst.nodes)
+             for inst in plan.instances}
+    return share, short
 
 
 def prepare_slurm(settings: cfg.Settings, *, for_launch: bool, prepare_local: Callable[..., Any],
@@ -56,6 +81,11 @@ def prepare_slurm(settings: cfg.Settings, *, for_launch: bool, prepare_local: Ca
     if spans and mode == "mpirun":
         raise UsageError("--slurm-mpi", settings.slurm_mpi, f"--tp {settings.tp} spans nodes: its ranks "
                          "must be started by srun --mpi=pmix")
+    pmix_cpus, short = pmix_task_cpus(plan, nodes)
+    if mode == "pmix" and short:
+        raise UsageError("--slurm-mpi", settings.slurm_mpi, "srun --mpi=pmix runs one task per rank, each "
+                         f"on a CPU of its own: {'; '.join(short)} (allocate with --exclusive, or "
+                         "--ntasks-per-node / --cpus-per-task)")
     problem = pmix_problem(job_id, scope) if mode == "pmix" else None
     if problem:
         needs = f" (--tp {settings.tp} spans nodes and needs it)" if spans else ""
@@ -69,7 +99,7 @@ def prepare_slurm(settings: cfg.Settings, *, for_launch: bool, prepare_local: Ca
                                    bind_address="127.0.0.1")
     local = prepare_local(stand_in, for_launch=for_launch)
     srun = shutil.which("srun") or "srun"
-    cpus = step_cpus(plan, nodes)
+    cpus = pmix_cpus if mode == "pmix" else step_cpus(plan, nodes)
     model_repo = os.path.abspath(settings.model_repo) if settings.model_repo else "<model-repo>"
     try:
         tritonserver = find_tritonserver(settings.tritonserver)
