@@ -40,20 +40,6 @@ def cannot_run_here() -> str | None:
     return None
 
 
-def ensure_pmix_library() -> None:
-    """Debian's mpi/pmix plugin dlopens the unversioned libpmix.so, which only libpmix-dev
-    ships (slurm-wlm does not depend on it): without it every `srun --mpi=pmix` fails with
-    "can not load PMIx library". Installed here when the plugin is there and it is not."""
-    plugins = list(Path("/usr/lib").glob("*/slurm-wlm/mpi_pmix*.so"))
-    if not plugins or list(Path("/usr/lib").glob("*/pmix2/lib/libpmix.so")) or os.geteuid() != 0:
-        return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "libpmix-dev"]
-    if subprocess.run(argv, capture_output=True, env=env, timeout=600).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
-        subprocess.run(argv, capture_output=True, env=env, timeout=600)
-
-
 class SlurmCluster:
     def __init__(self, root: Path):
         self.root = root
@@ -63,27 +49,11 @@ class SlurmCluster:
     def start(self) -> "SlurmCluster":
         self._lock_fd = os.open(LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        ensure_pmix_library()  # before slurmd starts: it loads the mpi/pmix plugin once
         out = subprocess.run([str(SETUP), "start", str(self.root)], capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"scripts/setup-slurm start failed:\n{out.stdout}\n{out.stderr}")
-        self._per_node_tmpfs()
         return self
-
-    def _per_node_tmpfs(self) -> None:
-        """Give each "node" a /tmp of its own, as real nodes have: Slurm's PMIx plugin makes
-        its step directory (TmpFS/spmix_appdir_<uid>_<job>.<step>) on every node of the step,
-        and on one shared /tmp node2's mkdir fails (EEXIST) and kills a step across nodes.
-        slurmd reads TmpFS (with %n, the node's name) at start: both are restarted."""
-        for node in NAMESPACES:
-            (self.root / "nodetmp" / node).mkdir(parents=True, exist_ok=True)
-        with open(self.conf, "a") as f:
-            f.write(f"TmpFS={self.root / 'nodetmp'}/%n\n")
-        for node in NAMESPACES:
-            self.slurmd(node, "stop")
-            self.slurmd(node, "start")
-        wait_until(lambda: all(self.node_state(n) == "idle" for n in NAMESPACES), 30, "nodes idle after TmpFS")
 
     def stop(self) -> None:
         subprocess.run([str(SETUP), "stop", str(self.root)], capture_output=True, timeout=120)
