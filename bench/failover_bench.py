@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import GENERATE, bars, body, latency_bars, machine, med, run_load, table, use_uvloop, write_result
+from bench.common import GENERATE, body, latency_bars, machine, med, run_load, table, use_uvloop, write_result
 from tests.harness import Run, log_times, transitions
 
 _NGINX_UPSTREAM_ERR = re.compile(r"\[error\].*(upstream|connect\(\) failed)")

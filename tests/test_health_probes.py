@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator
 
 import aiohttp
 import pytest
@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from orchestrator.health.canary import CanaryScheduler, default_canary_body, run_canary
-from orchestrator.health.probes import ProbeResult, probe_instance, wait_until_ready
+from orchestrator.health.probes import probe_instance, wait_until_ready
 
 pytestmark = pytest.mark.unit
 
