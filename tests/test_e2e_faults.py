@@ -354,12 +354,17 @@ def test_kill_mpirun(orch_run):
     assert_describes_death(out.after["last_failure"])
 
 
+def _stub_model(stub: psutil.Process) -> str:
+    """The model a Python backend stub runs: its first argument is <repo>/<model>/1/model.py."""
+    return Path(stub.cmdline()[1]).parent.parent.name
+
+
 def test_kill_python_backend_stub(orch_run):
     run = start_run(orch_run)
     rank0 = rank_proc(run, "0", 0)
-    stubs = stubs_of(rank0)
-    assert len(stubs) == 3, stubs  # preprocessing, tensorrt_llm, postprocessing
-    stub = next(s for s in stubs if "tensorrt_llm" in " ".join(s.cmdline()))
+    stubs = {_stub_model(s): s for s in stubs_of(rank0)}
+    assert sorted(stubs) == ["postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls"], stubs
+    stub = stubs["tensorrt_llm"]  # the engine's stub
     out = fault_case(run, "kill -9 python stub", lambda: stub.send_signal(signal.SIGKILL),
                      detect_within=SLACK_S)
     assert out.detect_s < 2.0
