@@ -42,7 +42,7 @@ QUEUE_FULL = "[TensorRT-LLM][ERROR] Assertion failed: Maximum queue size of 4 ha
 class FakeTriton:
     def __init__(self, counts: bool = True) -> None:
         self.counts = counts
-        self.mode = "ok"  # ok | queue_full | error_first | error_mid | silent
+        self.mode = "ok"  # ok | queue_full | error_first | error_mid | silent | dies_mid_answer
         self.requests: list[tuple[str, dict]] = []
         self.cancelled = 0
         self.runner: web.ServerRunner | None = None
@@ -61,6 +61,12 @@ class FakeTriton:
         words = WORDS[:n]
         if self.mode == "queue_full" and request.path.endswith("/generate"):
             return web.json_response({"error": QUEUE_FULL}, status=500)  # the model's INTERNAL error
+        if self.mode == "dies_mid_answer" and request.path.endswith("/generate"):
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})  # chunked, as Triton's
+            await resp.prepare(request)
+            await resp.write(b'{"model_name": "ens')
+            request.transport.close()  # a rank died: the connection ends inside the answer
+            return resp
         if request.path.endswith("/generate"):
             return web.json_response(self._doc("".join(words), len(prompt.encode()), len(words)))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -291,6 +297,19 @@ async def test_queue_full_is_retried_elsewhere(h):
         await c.completions.create(model="ensemble", prompt="p", max_tokens=2)
     assert exc.value.code == "queue_full" and exc.value.response.headers.get("Retry-After")
     assert not h.backends.failures  # a full queue is no failure of the instance
+
+
+async def test_instance_dying_mid_answer_is_retried_elsewhere(h):
+    """A plain answer is read whole and translated before the client sees a byte: an
+    instance that dies inside it sends the request to another instance."""
+    dying, ok = await fake(), await fake()
+    dying.mode = "dies_mid_answer"
+    await h.start(dying, ok, lb_policy="round-robin")
+    c = h.client()
+    for _ in range(4):
+        r = await c.completions.create(model="ensemble", prompt="p", max_tokens=2)
+        assert r.choices[0].text == " the of"
+    assert len(ok.requests) == 4 and len(dying.requests) >= 1
 
 
 async def test_model_errors(h):

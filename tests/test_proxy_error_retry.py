@@ -138,3 +138,28 @@ async def test_without_a_first_byte_deadline_a_slow_instance_is_waited_for():
     finally:
         await proxy.stop()
         await slow.close()
+
+
+async def test_instance_dying_mid_answer_before_any_byte_reached_the_client_is_retried():
+    """A small plain answer is read whole before it is sent (one write). An instance that
+    dies in the middle of it (a TP rank killed under load) has sent the client nothing:
+    the request goes to another instance instead of failing 502."""
+    from tests.test_proxy_embedded import RawUpstream
+
+    async def dies_mid_body(reader, writer, head, body):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"5\r\n{\"tex\r\n")
+        await writer.drain()
+        return False  # close the connection in the middle of the chunked body
+
+    dying, good = await RawUpstream(dies_mid_body).start(), await AppUpstream().start()
+    proxy, _ = await start(dying, good)
+    try:
+        results = [await post(proxy) for _ in range(4)]
+        assert all(code == 200 and body["port"] == good.port for code, body in results), results
+        assert len(dying.requests) >= 1
+        assert 'reason="disconnected"' in proxy.metrics.render().decode()
+    finally:
+        await proxy.stop()
+        await dying.close()
+        await good.close()

@@ -38,7 +38,7 @@ from prometheus_client import Counter
 
 from ..config import Settings
 from .backends import Backend
-from .embedded import EmbeddedProxy
+from .embedded import EmbeddedProxy, Retryable
 from .metrics import ProxyMetrics
 from .openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader, Translation,
                          decode_json, error_body, model_body, models_body, native_body, native_error,
@@ -252,8 +252,13 @@ class OpenAIFrontend:
                 data = _whole(peeked)
                 if data is None:
                     data = await up.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                self._path.fail(b, "body_error")
+            except aiohttp.ClientError as exc:
+                # Nothing reached the client yet: another instance gets the request (as a
+                # connection dropped before the head).
+                up.close()
+                raise Retryable("disconnected") from exc
+            except asyncio.TimeoutError as exc:
+                self._path.fail(b, "idle_timeout")
                 self._metrics.count(iid, 502)
                 self._log.debug("instance %s: body failed: %r", iid, exc)
                 return _error(OpenAIError(502, "instance dropped the connection mid-response"))
