@@ -102,7 +102,7 @@ class _QuietProtocolErrors(logging.Filter):
         return True
 
 
-class Retryable(Exception):
+class _Retryable(Exception):
     """An attempt failed before any response byte reached the client.
 
     `blame`: whether it counts against the instance's passive health (a transport
@@ -149,7 +149,7 @@ class EmbeddedProxy:
             from .openai_frontend import OpenAIFrontend, ProxyPath
             self._openai = OpenAIFrontend(settings, ProxyPath(
                 read_body=self._read_body, forward=self._forward, settle=self._settle,
-                fail=self._upstream_failed, retry=Retryable, metrics=self.metrics), self._log)
+                fail=self._upstream_failed, retry=_Retryable, metrics=self.metrics), self._log)
         self.apply_settings(settings)
         self._pool: UpstreamPool | None = None
         self._runner: web.ServerRunner | None = None
@@ -432,9 +432,9 @@ class EmbeddedProxy:
                     up = await (sent if self._first_byte_s is None else
                                 asyncio.wait_for(sent, self._first_byte_s))
                 except ConnectFailed as exc:
-                    raise Retryable("connect_refused") from exc
+                    raise _Retryable("connect_refused") from exc
                 except ConnectTimeout as exc:
-                    raise Retryable("connect_timeout") from exc
+                    raise _Retryable("connect_timeout") from exc
                 except HeadTimeout:
                     # The instance took the request and went silent for idle_timeout_s:
                     # not retried (the work may be running), reported as a hang.
@@ -442,7 +442,7 @@ class EmbeddedProxy:
                     self.metrics.count(iid, 504)
                     return _error(504, "instance did not answer within the idle timeout")
                 except Disconnected as exc:
-                    raise Retryable("disconnected") from exc
+                    raise _Retryable("disconnected") from exc
                 except BadResponse as exc:
                     self._upstream_failed(b, "bad_response")
                     self._log.warning("instance %s: bad response for %s: %r", iid, path, exc)
@@ -451,7 +451,7 @@ class EmbeddedProxy:
                 except asyncio.TimeoutError as exc:
                     # No response head within --first-byte-timeout-s: the request was
                     # cancelled there (the connection closed); nothing reached the client.
-                    raise Retryable("first_byte_timeout") from exc
+                    raise _Retryable("first_byte_timeout") from exc
                 self.metrics.observe_latency(iid, loop.time() - t0)
                 status = up.status
                 if status == 503 or (status >= 400 and not self._is_ready(iid)):
@@ -460,17 +460,17 @@ class EmbeddedProxy:
                     # model's error into a 400 or 500). That error says nothing about the
                     # request, and no byte has reached the client: try another instance.
                     up.close()
-                    raise Retryable(f"http_{status}", blame=False)
+                    raise _Retryable(f"http_{status}", blame=False)
                 # TRT-LLM's queue-full is an INTERNAL error: 500 from the model, 400 through
                 # an ensemble (Triton 2.51). Read small error bodies to tell it apart.
                 peeked = await self._peek_error(up) if status >= 400 else None
                 if peeked is not None and QUEUE_FULL_TEXT in peeked[0]:
                     up.close()
-                    raise Retryable("queue_full", blame=False)
+                    raise _Retryable("queue_full", blame=False)
                 if call is not None:
                     return await call.relay(request, up, b, peeked, timer)
                 return await self._relay(request, up, b, stream, peeked, timer)
-            except Retryable as exc:
+            except _Retryable as exc:
                 last = f"instance {iid}: {exc.reason}"
                 self.metrics.failure(iid, exc.reason)
                 if exc.blame:
@@ -524,7 +524,7 @@ class EmbeddedProxy:
                 total += len(chunk)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             up.close()
-            raise Retryable("disconnected") from exc
+            raise _Retryable("disconnected") from exc
         return b"".join(parts), False
 
     async def _relay(self, request: web.BaseRequest, up: UpstreamResponse, b: Backend,
@@ -554,7 +554,7 @@ class EmbeddedProxy:
                     # of it reached the client, so it is retried like a dropped connection
                     # (a TP rank killed under load: 1 of 500 requests failed 502 before).
                     up.close()
-                    raise Retryable("disconnected") from exc
+                    raise _Retryable("disconnected") from exc
                 except asyncio.TimeoutError as exc:
                     # Silent for idle_timeout_s mid-answer: a hang, not retried (as a
                     # missing head is not: the work may still be running).

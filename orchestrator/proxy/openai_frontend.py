@@ -38,7 +38,7 @@ from prometheus_client import Counter
 
 from ..config import Settings
 from .backends import Backend
-from .embedded import EmbeddedProxy, Retryable
+from .embedded import EmbeddedProxy
 from .metrics import ProxyMetrics
 from .openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader, Translation,
                          decode_json, error_body, model_body, models_body, native_body, native_error,
@@ -256,7 +256,7 @@ class OpenAIFrontend:
                 # Nothing reached the client yet: another instance gets the request (as a
                 # connection dropped before the head).
                 up.close()
-                raise Retryable("disconnected") from exc
+                raise self._path.retry("disconnected") from exc
             except asyncio.TimeoutError as exc:
                 self._path.fail(b, "idle_timeout")
                 self._metrics.count(iid, 502)
