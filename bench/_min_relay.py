@@ -3,7 +3,7 @@
     python -m bench._min_relay PORT UPSTREAM_PORT [UPSTREAM_PORT...]
 
 On uvloop: an asyncio Protocol server parsing with httptools, the embedded proxy's own
-upstream client (orchestrator/proxy/upstream.py), round robin, each answer read whole and
+upstream client (orchestrator/dataplane/upstream.py), round robin, each answer read whole and
 sent with a Content-Length in one write. Nothing else: no limits, deadlines, surface,
 hold, retries, health, metrics, header hygiene or error handling. Not for use; it shows
 what CPU per request is left for a Python data plane on a given box (bench/README.md).
@@ -17,7 +17,7 @@ import sys
 import httptools
 import uvloop
 
-from orchestrator.proxy.upstream import UpstreamPool
+from orchestrator.dataplane.upstream import UpstreamPool
 
 
 class _Relay(asyncio.Protocol):

@@ -1,4 +1,4 @@
-"""Run orchestrator.proxy.embedded.EmbeddedProxy alone, with a fixed ready set (bench helper).
+"""Run orchestrator.dataplane.embedded.EmbeddedProxy alone, with a fixed ready set (bench helper).
 
     python -m bench._side_proxy --listen 127.0.0.1:PORT --policy round-robin ID:HOST:HTTP:GRPC:METRICS...
 
@@ -12,8 +12,8 @@ import asyncio
 import signal
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend, ReadyBackends
-from orchestrator.proxy.embedded import EmbeddedProxy, install_uvloop_if_available
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.dataplane.embedded import EmbeddedProxy, install_uvloop_if_available
 
 
 async def main(args: argparse.Namespace) -> None:

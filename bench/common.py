@@ -280,7 +280,7 @@ def wait_port(port: int, timeout: float = 15.0, proc: subprocess.Popen | None = 
 
 
 def backends_of(status: dict[str, Any]):
-    from orchestrator.proxy.backends import Backend
+    from orchestrator.routing.backends import Backend
     return tuple(Backend(i["id"], i["bind_address"], i["ports"]["http"], i["ports"]["grpc"],
                          i["ports"]["metrics"]) for i in status["instances"])
 
@@ -292,7 +292,7 @@ class SideNginx:
 
     def __init__(self, status: dict[str, Any], workers: int | None = None) -> None:
         from orchestrator.config import Settings
-        from orchestrator.proxy.nginx import render_nginx_config
+        from orchestrator.nginx.proxy import render_nginx_config
         import pwd
         self.dir = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
         (self.dir / "temp").mkdir()
@@ -343,7 +343,7 @@ class SideNginx:
 
 
 class SideEmbedded:
-    """The embedded proxy (orchestrator.proxy.embedded.EmbeddedProxy, same code as the
+    """The embedded proxy (orchestrator.dataplane.embedded.EmbeddedProxy, same code as the
     daemon's) in its own process, with a fixed ready set: used where the benchmark needs a
     policy other than the daemon's (round-robin for reference)."""
 

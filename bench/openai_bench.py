@@ -177,8 +177,8 @@ async def proxy_cpu(repo: Path, requests: int, rounds: int, osl: int) -> dict[st
     not depend on the neighbours, so this is the translation's cost itself.
     """
     from orchestrator.config import Settings
-    from orchestrator.proxy.backends import Backend, ReadyBackends
-    from orchestrator.proxy.embedded import EmbeddedProxy
+    from orchestrator.routing.backends import Backend, ReadyBackends
+    from orchestrator.dataplane.embedded import EmbeddedProxy
 
     port = free_port()
     inst = await asyncio.create_subprocess_exec(sys.executable, "-c", FAKE_INSTANCE, str(port))

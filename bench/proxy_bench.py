@@ -8,7 +8,7 @@ Setup (why it is fair): ONE daemon `trtllm-orch up --proxy embedded` with 2 inst
   - direct-2    : the client itself spreads its workers over both instances' ports
                   (the no-proxy baseline for 2 instances; reference only)
   - nginx       : a private NGINX started from the config trtllm-orch renders for
-                  `--proxy nginx` (orchestrator.proxy.nginx.render_nginx_config: same template,
+                  `--proxy nginx` (orchestrator.nginx.proxy.render_nginx_config: same template,
                   least_conn, upstream keepalive, retries), pointed at the same instances.
                   `worker_processes auto` = 2 workers on this 2-core box.
   - nginx-1w    : the same config with `worker_processes 1` (the embedded proxy is one

@@ -28,9 +28,9 @@ from typing import Any
 
 from bench import routing_bench as rb
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
-from orchestrator.proxy.backends import Backend
-from orchestrator.proxy.balancer import POLICIES
-from orchestrator.proxy.llm_policies import PrefixAffinity, RouteHints
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.balancer import POLICIES
+from orchestrator.routing.llm_policies import PrefixAffinity, RouteHints
 
 sys.path.insert(0, str(rb.DEMO_REPO.parent))
 from twin.engine import Engine, EngineConfig, Sequence  # noqa: E402

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import config as cfg
-from .errors import EXIT_OK, EXIT_RUNTIME, DaemonNotRunning, OrchError, UsageError
+from orchestrator import config as cfg
+from orchestrator.errors import EXIT_OK, EXIT_RUNTIME, DaemonNotRunning, OrchError, UsageError
 
 log = logging.getLogger("trtllm-orch")
 
@@ -94,7 +94,7 @@ def _settings_from(args: argparse.Namespace) -> cfg.Settings:
 
 
 def _state_dir_of(args: argparse.Namespace):
-    from .statedir import StateDir
+    from orchestrator.controlplane.statedir import StateDir
     if args.state_dir:
         return StateDir(Path(args.state_dir).expanduser().absolute())
     if args.config:
@@ -115,16 +115,16 @@ class Prepared:
 
 
 def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
-    from .gpus import inventory, parse_gpu_spec
-    from .launcher.affinity import plan_affinity
-    from .launcher.command import build_launch, find_rank_wrapper, find_tritonserver
-    from .launcher.mpi import MpiFlavour, detect_flavour
-    from .plan import make_plan
-    from .topology import host_topology, load_topology
-    from .launcher.slurm_alloc import resolve_launcher
+    from orchestrator.gpus import inventory, parse_gpu_spec
+    from orchestrator.launcher.affinity import plan_affinity
+    from orchestrator.launcher.command import build_launch, find_rank_wrapper, find_tritonserver
+    from orchestrator.launcher.mpi import MpiFlavour, detect_flavour
+    from orchestrator.plan import make_plan
+    from orchestrator.topology import host_topology, load_topology
+    from orchestrator.launcher.slurm_alloc import resolve_launcher
 
     if resolve_launcher(settings.launcher, os.environ) == "slurm":
-        from .launcher.slurm_prepare import prepare_slurm
+        from orchestrator.launcher.slurm_prepare import prepare_slurm
         return prepare_slurm(settings, for_launch=for_launch, prepare_local=prepare)
     recorded = load_topology(settings.topology) if settings.topology else None
     gpus = inventory(settings.assume_gpus, recorded)
@@ -142,7 +142,7 @@ def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
                      if v and settings.proxy != "none")
     bind = settings.bind_address
     if settings.bind_interface:
-        from .launcher.ports import interface_address
+        from orchestrator.launcher.ports import interface_address
         bind = interface_address(settings.bind_interface)
     plan = make_plan(ids, settings.tp, settings.base_port, bind, reserved,
                      topology=topology, placement=settings.placement, affinity=affinity)
@@ -218,8 +218,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _check_listen_ports(settings: cfg.Settings, plan, sd, instances: bool = True) -> None:
-    from .launcher.ports import taken_ports
-    from .reaper import leftover_processes
+    from orchestrator.launcher.ports import taken_ports
+    from orchestrator.controlplane.reaper import leftover_processes
     # A SIGKILLed predecessor may still hold our ports: those are not strangers. Only the
     # daemon sweeps them, under its lock, so a racing `up` can never lose its processes.
     ours = frozenset(p.pid for p in leftover_processes(sd)) if sd.root.exists() else frozenset()
@@ -252,8 +252,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     # straight to fd 2, past logging: noise in the journal, and on a terminal a line
     # that rich's live loading view does not know of, so it redrew one line too low.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-    from .daemon import Daemon, Launchable
-    from .statedir import StateDir
+    from orchestrator.controlplane.daemon import Daemon, Launchable
+    from orchestrator.controlplane.statedir import StateDir
 
     settings = _settings_from(args)
     prepared = prepare(settings, for_launch=True)
@@ -264,12 +264,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                         "`trtllm-orch down` stops it")
     _check_listen_ports(settings, prepared.plan, sd, instances=prepared.launcher is None)
     if settings.detach:
-        from .detach import run_detached
+        from orchestrator.detach import run_detached
         return run_detached(sys.argv[1:], settings, sd)
     setup_logging(settings.log_level)
     gpu_holders = gpu_usage = None
     if prepared.gpus_from_nvml:
-        from .gpus import gpu_holders, gpu_usage
+        from orchestrator.gpus import gpu_holders, gpu_usage
 
     def reload_config() -> Launchable:
         # The config file as it is now, with this command's flags on top, validated in
@@ -279,16 +279,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     launcher = None
     if prepared.launcher is not None:
-        from .launcher.slurm import SlurmLauncher
+        from orchestrator.launcher.slurm import SlurmLauncher
         _, job_id, nodes = prepared.launcher
         launcher = SlurmLauncher(job_id, nodes, sd.root, lambda: daemon.settings.slurm_poll_s)
-    from .progress import LoadProgress
+    from orchestrator.progress import LoadProgress
     daemon = Daemon(settings, prepared.plan, prepared.build_command, sd,
                     gpu_holders=gpu_holders, gpu_usage=gpu_usage, reload_config=reload_config,
                     launcher=launcher, progress=LoadProgress())
     # uvloop (libuv) when installed: the embedded proxy's per-request loop work costs less
     # (issue 12); the asyncio loop otherwise, with the same behaviour.
-    from .proxy.embedded import install_uvloop_if_available
+    from orchestrator.dataplane.embedded import install_uvloop_if_available
     log.info("event loop: %s", "uvloop" if install_uvloop_if_available() else "asyncio")
     try:
         return asyncio.run(daemon.run())
@@ -297,7 +297,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .control import call_sync
+    from orchestrator.controlplane.control_socket import call_sync
     sd = _state_dir_of(args)
     _, status = call_sync(sd.socket_path, "GET", "/status")
     if args.json:
@@ -350,16 +350,16 @@ def format_engine(engine: dict[str, Any]) -> str:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from .top import run
+    from orchestrator.top import run
     if args.interval_s <= 0:
         raise UsageError("--interval-s", args.interval_s, "must be > 0")
     return run(_state_dir_of(args).socket_path, once=args.once, interval=args.interval_s)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from .control import call_sync
-    from .launcher.process_tree import OsOps
-    from .reaper import leftover_processes, sweep_leftovers
+    from orchestrator.controlplane.control_socket import call_sync
+    from orchestrator.launcher.process_tree import OsOps
+    from orchestrator.controlplane.reaper import leftover_processes, sweep_leftovers
     sd = _state_dir_of(args)
     daemon_pid = sd.lock_holder()
     if daemon_pid:
@@ -372,7 +372,7 @@ def cmd_down(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         if sd.lock_holder():
             raise OrchError(f"the daemon (pid {daemon_pid}) did not stop within {args.timeout_s:g}s")
-    from .launcher.slurm import sweep_steps
+    from orchestrator.launcher.slurm import sweep_steps
     steps, stuck = asyncio.run(sweep_steps(sd.root))  # a Slurm run's steps, found by name
     if steps:
         print(f"cancelled {len(steps)} Slurm job step(s) left by a killed daemon: {' '.join(steps)}")
@@ -394,7 +394,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from .control import call_sync
+    from orchestrator.controlplane.control_socket import call_sync
     code, body = call_sync(_state_dir_of(args).socket_path, "POST", f"/restart/{args.instance_id}")
     if code >= 400:
         raise UsageError("ID", args.instance_id, body.get("error", "refused"))
@@ -403,7 +403,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from .control import call_sync
+    from orchestrator.controlplane.control_socket import call_sync
     # Reading the config runs `mpirun --version`: allow for it.
     code, body = call_sync(_state_dir_of(args).socket_path, "POST", "/reload", timeout_s=60.0)
     if code >= 400:
@@ -416,13 +416,13 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from .logs import show_logs
+    from orchestrator.logs import show_logs
     return show_logs(_state_dir_of(args), args.instance_id, args.rank, args.lines, args.follow)
 
 
 def cmd_render_nginx(args: argparse.Namespace) -> int:
-    from .proxy.backends import Backend
-    from .proxy.nginx import render_nginx_config
+    from orchestrator.routing.backends import Backend
+    from orchestrator.nginx.proxy import render_nginx_config
     prepared = prepare(_settings_from(args), for_launch=False)
     backends = tuple(Backend(i.instance_id, i.bind_address, i.ports.http, i.ports.grpc, i.ports.metrics)
                      for i in prepared.plan.instances)
@@ -431,7 +431,7 @@ def cmd_render_nginx(args: argparse.Namespace) -> int:
 
 
 def cmd_install_service(args: argparse.Namespace) -> int:
-    from .service.install import install_service
+    from orchestrator.service.install import install_service
     return install_service(args, _settings_from(args))
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UsageError
-from .gpus import parse_gpu_spec
-from .plan import InstancePlan, Plan, instance_ports
+from orchestrator.errors import UsageError
+from orchestrator.gpus import parse_gpu_spec
+from orchestrator.plan import InstancePlan, Plan, instance_ports
 
 
 @dataclass(frozen=True)

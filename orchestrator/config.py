@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from orchestrator.errors import UsageError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -132,7 +132,7 @@ class Settings:
                             "logging, config, stats) through the proxy", group="proxy")
     nginx: str = opt("nginx", "nginx binary for --proxy nginx", group="proxy", metavar="PATH")
 
-    # --- OpenAI-compatible API (orchestrator/proxy/openai_frontend.py) ------------------
+    # --- OpenAI-compatible API (orchestrator/dataplane/openai_frontend.py) ------------------
     openai: str = opt("on", "OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) "
                       "on --listen: " + ", ".join(OPENAI_MODES), group="openai")
     openai_model: str = opt("", "Triton model the OpenAI API calls: the ensemble or tensorrt_llm_bls "

@@ -6,10 +6,10 @@ import subprocess
 import sys
 import time
 
-from .config import Settings
-from .control import call_sync
-from .errors import DaemonNotRunning, OrchError
-from .statedir import StateDir
+from orchestrator.config import Settings
+from orchestrator.controlplane.control_socket import call_sync
+from orchestrator.errors import DaemonNotRunning, OrchError
+from orchestrator.controlplane.statedir import StateDir
 
 
 def run_detached(argv: list[str], settings: Settings, sd: StateDir) -> int:

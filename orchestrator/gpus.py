@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .errors import EnvironmentProblem, UsageError
-from .topology import Topology
+from orchestrator.errors import EnvironmentProblem, UsageError
+from orchestrator.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import sys
 import time
 from collections import deque
 
-from .errors import UsageError
-from .statedir import StateDir
+from orchestrator.errors import UsageError
+from orchestrator.controlplane.statedir import StateDir
 
 _RANK_TAG = re.compile(rb"^\[(?:\d+,)?(\d+)\](?:<std(?:out|err)>:)?")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .errors import UsageError
-from .topology import RankAffinity, Topology, crosses_sockets, describe_link, group_gpus, group_link, group_sockets
+from orchestrator.errors import UsageError
+from orchestrator.topology import RankAffinity, Topology, crosses_sockets, describe_link, group_gpus, group_link, group_sockets
 
 PORTS_PER_INSTANCE = 3  # http, grpc, metrics
 

@@ -45,7 +45,7 @@ _STYLE = {"READY": "bold green", "FAILED": "bold red", "BACKOFF": "yellow", "STA
 
 
 class Loading(Protocol):
-    """What the renderer reads of an instance (orchestrator.instance.Instance has it)."""
+    """What the renderer reads of an instance (orchestrator.controlplane.instance.Instance has it)."""
 
     id: str
     reason: str

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from .errors import EnvironmentProblem
+from orchestrator.errors import EnvironmentProblem
 
 _MARKER = "nginx.conf.j2"  # any template we ship; proves the directory is ours
 

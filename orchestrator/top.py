@@ -1,7 +1,7 @@
 """`trtllm-orch top`: the running daemon at a glance, refreshed twice a second.
 
 Everything shown comes from `status` over the control socket (the daemon computes
-the last minute's TTFT and tokens/s itself, orchestrator/proxy/recent.py); this
+the last minute's TTFT and tokens/s itself, orchestrator/dataplane/recent.py); this
 module only renders. `render()` is pure (status dict in, rich renderable out) and
 unit-tested; `run()` is the terminal part: rich's Live on the alternate screen,
 keys read in cbreak mode through the event loop (never a blocking read), the
@@ -25,8 +25,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .control import call
-from .errors import EXIT_OK, DaemonNotRunning, OrchError
+from orchestrator.controlplane.control_socket import call
+from orchestrator.errors import EXIT_OK, DaemonNotRunning, OrchError
 
 REFRESH_S = 0.5
 _STATE_STYLE = {"READY": "bold green", "UNHEALTHY": "bold yellow", "STARTING": "cyan",

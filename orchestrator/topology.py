@@ -19,7 +19,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from orchestrator.errors import UsageError
 
 # PCIe distances from near to far, as nvidia-smi names them: one PCIe switch, several
 # switches, the CPU's host bridge, host bridges of one NUMA node, across sockets.

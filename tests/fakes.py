@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.health.probes import ProbeResult
 from orchestrator.launcher.group import LaunchFailed
-from orchestrator.proxy.backends import ReadyBackends
+from orchestrator.routing.backends import ReadyBackends
 
 OK = ProbeResult(True, "", 0.0)
 

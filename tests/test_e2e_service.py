@@ -256,7 +256,7 @@ class StatePoller:
     """Polls the daemon's control socket (in-process: a CLI call per sample is too slow)."""
 
     def __init__(self, state_dir: Path):
-        from orchestrator.control import call_sync
+        from orchestrator.controlplane.control_socket import call_sync
         self._call = call_sync
         self.sock = state_dir / "control.sock"
         self.samples: list[dict[str, str]] = []
@@ -348,7 +348,7 @@ def test_rolling_restart_under_load_reload_and_sighup(orch_run):
 
 
 def test_reload_while_rolling_is_refused(orch_run):
-    from orchestrator.control import call_sync
+    from orchestrator.controlplane.control_socket import call_sync
     run = orch_run().start()
     sock = run.state_dir / "control.sock"
     assert call_sync(sock, "POST", "/reload")[0] == 202

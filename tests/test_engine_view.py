@@ -7,8 +7,8 @@ import pytest
 
 from orchestrator.cli import format_engine, format_status
 from orchestrator.health.engine_state import EngineView, parse_engine_metrics
-from orchestrator.proxy.backends import Backend
-from orchestrator.proxy.metrics import ProxyMetrics
+from orchestrator.routing.backends import Backend
+from orchestrator.dataplane.metrics import ProxyMetrics
 from tests.test_metrics_stall import scrape
 
 pytestmark = pytest.mark.unit

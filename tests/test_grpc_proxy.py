@@ -26,9 +26,9 @@ import pytest
 
 from orchestrator.config import Settings
 from orchestrator.errors import OrchError
-from orchestrator.proxy.backends import Backend, ReadyBackends
+from orchestrator.routing.backends import Backend, ReadyBackends
 from tests.fakes import RecordingBackends
-from orchestrator.proxy.grpc_proxy import GrpcProxy
+from orchestrator.dataplane.grpc_proxy import GrpcProxy
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 import tritonclient.grpc.aio as grpcclient_aio  # noqa: E402

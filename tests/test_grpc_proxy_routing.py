@@ -13,8 +13,8 @@ import grpc.aio
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend
-from orchestrator.proxy.grpc_proxy import GrpcProxy
+from orchestrator.routing.backends import Backend
+from orchestrator.dataplane.grpc_proxy import GrpcProxy
 from tests.fakes import RecordingBackends
 
 pytestmark = pytest.mark.unit

@@ -17,13 +17,13 @@ import pytest
 from orchestrator.config import Settings
 from orchestrator.health.exit_watch import ExitWatcher
 from orchestrator.health.checks import InstanceChecks
-from orchestrator.instance import Instance, Shared
+from orchestrator.controlplane.instance import Instance, Shared
 from orchestrator.launcher.group import ProcessGroup
 from orchestrator.launcher.command import LaunchCommand
 from orchestrator.launcher.process_tree import OsOps
 from orchestrator.plan import InstancePlan, Ports
-from orchestrator.states import State
-from orchestrator.statedir import StateDir
+from orchestrator.controlplane.states import State
+from orchestrator.controlplane.statedir import StateDir
 from tests.harness import free_port_block
 
 pytestmark = pytest.mark.unit

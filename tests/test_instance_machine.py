@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.instance import Instance, Shared
+from orchestrator.controlplane.instance import Instance, Shared
 from orchestrator.launcher.command import LaunchCommand
 from orchestrator.plan import InstancePlan, Ports
-from orchestrator.states import State
-from orchestrator.statedir import StateDir
+from orchestrator.controlplane.states import State
+from orchestrator.controlplane.statedir import StateDir
 from tests.fakes import OK, FakeChecks, FakeGroup, bad
 
 pytestmark = pytest.mark.unit

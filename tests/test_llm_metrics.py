@@ -13,11 +13,11 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend, ReadyBackends
-from orchestrator.proxy.embedded import EmbeddedProxy
-from orchestrator.proxy.hold import HoldGate
-from orchestrator.proxy.metrics import ProxyMetrics, SseCounter
-from orchestrator.proxy.recent import RecentLLM, percentile
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.dataplane.embedded import EmbeddedProxy
+from orchestrator.dataplane.hold import HoldGate
+from orchestrator.dataplane.metrics import ProxyMetrics, SseCounter
+from orchestrator.dataplane.recent import RecentLLM, percentile
 
 pytestmark = pytest.mark.unit
 
@@ -74,7 +74,7 @@ def test_sse_counter_over_every_split():
 
 def test_token_timer_first_token_then_gaps(monkeypatch):
     clock = iter([100.0, 100.25, 100.30, 100.40])
-    monkeypatch.setattr("orchestrator.proxy.metrics.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("orchestrator.dataplane.metrics.time.monotonic", lambda: next(clock))
     m = ProxyMetrics()
     timer = m.timer("generate_stream")  # started at 100.0
     timer.events("1")  # 100.25: TTFT 0.25

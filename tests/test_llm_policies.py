@@ -9,10 +9,10 @@ import random
 import pytest
 
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
-from orchestrator.proxy.backends import Backend
-from orchestrator.proxy.llm_policies import KvAware, PrefixAffinity, RouteHints, loads
-from orchestrator.proxy.prefix_index import PrefixIndex, chunk_keys
-from orchestrator.proxy.prompt import prompt_of_grpc, prompt_of_json
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints, loads
+from orchestrator.routing.prefix_index import PrefixIndex, chunk_keys
+from orchestrator.routing.prompt import prompt_of_grpc, prompt_of_json
 
 pytestmark = pytest.mark.unit
 

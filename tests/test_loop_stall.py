@@ -36,10 +36,10 @@ import pytest
 
 from orchestrator.cli import prepare
 from orchestrator.config import Settings
-from orchestrator.daemon import Daemon
+from orchestrator.controlplane.daemon import Daemon
 from orchestrator.launcher.process_tree import tagged_processes
-from orchestrator.states import State
-from orchestrator.statedir import StateDir
+from orchestrator.controlplane.states import State
+from orchestrator.controlplane.statedir import StateDir
 from tests.harness import DEMO_REPO, free_port_block, triton_env
 
 pytestmark = pytest.mark.process

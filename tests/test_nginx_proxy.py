@@ -22,10 +22,10 @@ from aiohttp import web
 
 from orchestrator.config import Settings
 from orchestrator.errors import EnvironmentProblem, OrchError
-from orchestrator.proxy.backends import Backend, ReadyBackends
-from orchestrator.proxy import nginx_master
-from orchestrator.proxy.nginx import NginxProxy
-from orchestrator.proxy.nginx_master import live_group_members
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.nginx import master as nginx_master
+from orchestrator.nginx.proxy import NginxProxy
+from orchestrator.nginx.master import live_group_members
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx binary not installed")

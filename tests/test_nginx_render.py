@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend
-from orchestrator.proxy.nginx import render_nginx_config
+from orchestrator.routing.backends import Backend
+from orchestrator.nginx.proxy import render_nginx_config
 from orchestrator.templates import configs_dir
 
 NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import OrchError
-from orchestrator.proxy.openai_api import (CHAT, COMPLETIONS, DONE, OpenAIError, SSEReader, StopText, Translation,
+from orchestrator.dataplane.openai_api import (CHAT, COMPLETIONS, DONE, OpenAIError, SSEReader, StopText, Translation,
                                            _csv_field, decode_json, error_body, finish_reason, native_body,
                                            native_error, parse_request, stream_error)
-from orchestrator.proxy.openai_model import ChatTemplate, find_tokenizer_dir, load_model_facts
-from orchestrator.proxy.surface import (METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS,
+from orchestrator.dataplane.openai_model import ChatTemplate, find_tokenizer_dir, load_model_facts
+from orchestrator.routing.surface import (METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS,
                                         OPENAI_MODEL, OPENAI_MODELS, classify)
 
 pytestmark = pytest.mark.unit

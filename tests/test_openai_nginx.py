@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.proxy.nginx import render_nginx_config
+from orchestrator.nginx.proxy import render_nginx_config
 from tests.test_nginx_render import NGINX, TWO, block, needs_nginx, nginx_t, settings
 
 

@@ -21,9 +21,9 @@ import pytest
 from aiohttp import web
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend
-from orchestrator.proxy.embedded import EmbeddedProxy
-from orchestrator.proxy.openai_frontend import OpenAIListener
+from orchestrator.routing.backends import Backend
+from orchestrator.dataplane.embedded import EmbeddedProxy
+from orchestrator.dataplane.openai_frontend import OpenAIListener
 from tests.fakes import RecordingBackends
 
 pytestmark = pytest.mark.unit

@@ -17,10 +17,10 @@ import grpc.aio
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend, ReadyBackends
-from orchestrator.proxy.grpc_proxy import GrpcProxy
-from orchestrator.proxy.nginx import render_nginx_config
-from orchestrator.proxy.surface import (ADMIN, ADMIN_API, ADMIN_GRPC_METHODS, GRPC_SERVICE,
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.dataplane.grpc_proxy import GrpcProxy
+from orchestrator.nginx.proxy import render_nginx_config
+from orchestrator.routing.surface import (ADMIN, ADMIN_API, ADMIN_GRPC_METHODS, GRPC_SERVICE,
                                         PUBLIC_GRPC_METHODS, classify)
 
 pytestmark = pytest.mark.unit

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from orchestrator.proxy.backends import Backend
-from orchestrator.proxy.balancer import Balancer
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.balancer import Balancer
 
 pytestmark = pytest.mark.unit
 
@@ -158,7 +158,7 @@ def test_skip_on_failure_sequence():
 def test_every_configurable_policy_exists():
     # config.LB_POLICIES are the flag's choices, POLICIES what the balancer can run.
     from orchestrator.config import LB_POLICIES
-    from orchestrator.proxy.balancer import POLICIES
+    from orchestrator.routing.balancer import POLICIES
     assert set(LB_POLICIES) == set(POLICIES)
     for name in LB_POLICIES:
         assert Balancer(name).pick(B) is not None

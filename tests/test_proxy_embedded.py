@@ -18,9 +18,9 @@ from aiohttp import web
 
 from orchestrator.config import Settings
 from orchestrator.errors import OrchError
-from orchestrator.proxy.backends import Backend, ReadyBackends
+from orchestrator.routing.backends import Backend, ReadyBackends
 from tests.fakes import RecordingBackends
-from orchestrator.proxy.embedded import EmbeddedProxy
+from orchestrator.dataplane.embedded import EmbeddedProxy
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,8 @@ from aiohttp import web
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.proxy.backends import Backend, ReadyBackends
-from orchestrator.proxy.embedded import EmbeddedProxy
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.dataplane.embedded import EmbeddedProxy
 from tests.test_proxy_embedded import AppUpstream
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,7 @@
 from multidict import CIMultiDict
 import pytest
 
-from orchestrator.proxy.headers import (HOP_BY_HOP, TrustedPeers, client_response_headers,
+from orchestrator.dataplane.headers import (HOP_BY_HOP, TrustedPeers, client_response_headers,
                                         connection_tokens, upstream_request_headers)
 
 pytestmark = pytest.mark.unit

@@ -18,8 +18,8 @@ from aiohttp import web
 
 from orchestrator.config import Settings
 from orchestrator.errors import UsageError
-from orchestrator.proxy.backends import Backend, ReadyBackends
-from orchestrator.proxy.embedded import EmbeddedProxy
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.dataplane.embedded import EmbeddedProxy
 
 pytestmark = pytest.mark.unit
 

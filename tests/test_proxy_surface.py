@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator.proxy.surface import (ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, PUBLIC,
+from orchestrator.routing.surface import (ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, PUBLIC,
                                         READY, Surface, classify, normalise)
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The embedded proxy's upstream client (orchestrator/proxy/upstream.py) against raw sockets:
+"""The embedded proxy's upstream client (orchestrator/dataplane/upstream.py) against raw sockets:
 keep-alive reuse, framing (length, chunked, until close, HEAD, interim 1xx), the
 per-instance connection cap, the idle timeout before and after the head, and backpressure."""
 
@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from orchestrator.proxy.upstream import (BadResponse, ConnectFailed, Disconnected, HeadTimeout, UpstreamPool)
+from orchestrator.dataplane.upstream import (BadResponse, ConnectFailed, Disconnected, HeadTimeout, UpstreamPool)
 
 pytestmark = pytest.mark.unit
 

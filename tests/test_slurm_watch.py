@@ -15,7 +15,7 @@ from orchestrator.launcher.slurm import SlurmGroup, SlurmLauncher, SlurmUnreacha
 from orchestrator.launcher.slurm_cli import JobInfo, NodeState, Result, Step
 from orchestrator.launcher.slurm_command import step_name
 from orchestrator.plan import InstancePlan, Ports
-from orchestrator.states import State
+from orchestrator.controlplane.states import State
 from tests.test_instance_machine import Rig
 
 pytestmark = pytest.mark.unit

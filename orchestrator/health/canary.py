@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import aiohttp
 
-from .probes import ProbeResult, describe_error, model_path, one_line, status_reason
+from orchestrator.health.probes import ProbeResult, describe_error, model_path, one_line, status_reason
 
 
 def default_canary_body() -> dict[str, Any]:

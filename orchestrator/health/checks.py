@@ -12,10 +12,10 @@ from typing import Any
 
 import aiohttp
 
-from .canary import run_canary
-from .engine_monitor import EngineMonitor
-from .engine_state import EngineView
-from .probes import ProbeResult, probe_instance, wait_until_ready
+from orchestrator.health.canary import run_canary
+from orchestrator.health.engine_monitor import EngineMonitor
+from orchestrator.health.engine_state import EngineView
+from orchestrator.health.probes import ProbeResult, probe_instance, wait_until_ready
 
 
 class InstanceChecks:

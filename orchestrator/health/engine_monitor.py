@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .engine_state import EngineView, parse_engine_metrics
-from .metrics_stall import StallDetector
+from orchestrator.health.engine_state import EngineView, parse_engine_metrics
+from orchestrator.health.metrics_stall import StallDetector
 
 
 class EngineMonitor:

@@ -11,7 +11,7 @@ restart).
 
 from __future__ import annotations
 
-from .engine_state import EngineSnapshot
+from orchestrator.health.engine_state import EngineSnapshot
 
 
 class StallDetector:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..topology import RankAffinity, Topology, format_ids, parse_ids, rank_affinity
+from orchestrator.topology import RankAffinity, Topology, format_ids, parse_ids, rank_affinity
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from ..errors import EnvironmentProblem, UsageError
-from ..plan import InstancePlan
-from .affinity import Pinner
-from .mpi import MpiFlavour
+from orchestrator.errors import EnvironmentProblem, UsageError
+from orchestrator.plan import InstancePlan
+from orchestrator.launcher.affinity import Pinner
+from orchestrator.launcher.mpi import MpiFlavour
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 # Environment tags: every process of a run carries them, which is how a sweep

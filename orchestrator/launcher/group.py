@@ -3,7 +3,7 @@
 `ProcessGroup` is the process side of an instance: it spawns the job, copies its
 output into the instance log, reports any exit of its processes, and stops it
 (grace, SIGKILL, ports free, GPUs released, shared memory cleaned). The
-instance's state machine (`orchestrator/instance.py`) decides *when*; this
+instance's state machine (`orchestrator/controlplane/instance.py`) decides *when*; this
 decides nothing and only does. Unit tests of the state machine replace it
 (see tests/fakes.py).
 
@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 import psutil
 
-from ..health.exit_watch import ExitWatcher
-from ..plan import InstancePlan
-from .command import LaunchCommand, shm_prefix, shm_scope
-from .logfile import RotatingLog, pump
-from .process_tree import OsOps, alive, stop_processes
+from orchestrator.health.exit_watch import ExitWatcher
+from orchestrator.plan import InstancePlan
+from orchestrator.launcher.command import LaunchCommand, shm_prefix, shm_scope
+from orchestrator.launcher.logfile import RotatingLog, pump
+from orchestrator.launcher.process_tree import OsOps, alive, stop_processes
 
 log = logging.getLogger("trtllm-orch")
 

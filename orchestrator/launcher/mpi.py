@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from ..errors import EnvironmentProblem, UsageError
+from orchestrator.errors import EnvironmentProblem, UsageError
 
 
 @dataclass(frozen=True)

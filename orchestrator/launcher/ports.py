@@ -75,7 +75,7 @@ def interface_address(name: str) -> str:
     """The IPv4 address of a local interface (`--bind-interface`); UsageError if it has none."""
     import socket
 
-    from ..errors import UsageError
+    from orchestrator.errors import UsageError
     addrs = psutil.net_if_addrs()
     if name not in addrs:
         raise UsageError("--bind-interface", name, "no such interface here (" + ", ".join(sorted(addrs)) + ")")

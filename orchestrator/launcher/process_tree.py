@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import psutil
 
-from .command import ENV_INSTANCE, ENV_STATE_DIR
-from .ports import listening_pids, taken_ports
+from orchestrator.launcher.command import ENV_INSTANCE, ENV_STATE_DIR
+from orchestrator.launcher.ports import listening_pids, taken_ports
 
 _PR_SET_PDEATHSIG = 1
 

@@ -32,14 +32,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..plan import InstancePlan
-from .command import LaunchCommand
-from .group import FAILED_GROUP_GRACE_S, LaunchFailed, ProcessGroup, Trouble
-from .logfile import RotatingLog
-from .process_tree import OsOps
-from .slurm_cli import (JobInfo, NodeState, Result, Step, job_argv, parse_job, parse_sinfo_nodes,
+from orchestrator.plan import InstancePlan
+from orchestrator.launcher.command import LaunchCommand
+from orchestrator.launcher.group import FAILED_GROUP_GRACE_S, LaunchFailed, ProcessGroup, Trouble
+from orchestrator.launcher.logfile import RotatingLog
+from orchestrator.launcher.process_tree import OsOps
+from orchestrator.launcher.slurm_cli import (JobInfo, NodeState, Result, Step, job_argv, parse_job, parse_sinfo_nodes,
                         parse_steps, run_async, scancel_argv, sinfo_argv, steps_argv)
-from .slurm_command import step_name, step_prefix
+from orchestrator.launcher.slurm_command import step_name, step_prefix
 
 log = logging.getLogger("trtllm-orch")
 

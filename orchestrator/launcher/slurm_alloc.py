@@ -11,10 +11,10 @@ import re
 import socket
 from collections.abc import Callable, Mapping
 
-from ..cluster_plan import NodeInfo
-from ..errors import UsageError
-from .slurm_cli import JobInfo, Result, job_argv, nodes_argv, parse_fields, parse_job, run_sync
-from .slurm_command import STEP_PREFIX
+from orchestrator.cluster_plan import NodeInfo
+from orchestrator.errors import UsageError
+from orchestrator.launcher.slurm_cli import JobInfo, Result, job_argv, nodes_argv, parse_fields, parse_job, run_sync
+from orchestrator.launcher.slurm_command import STEP_PREFIX
 
 Run = Callable[..., Result]
 

@@ -15,8 +15,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from ..errors import EnvironmentProblem
-from ..topology import parse_ids
+from orchestrator.errors import EnvironmentProblem
+from orchestrator.topology import parse_ids
 
 SLURM_TIMEOUT_S = 20.0
 

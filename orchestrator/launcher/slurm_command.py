@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import shlex
 
-from ..plan import InstancePlan
-from .command import ENV_GROUP_DIR, LaunchCommand, shm_scope
+from orchestrator.plan import InstancePlan
+from orchestrator.launcher.command import ENV_GROUP_DIR, LaunchCommand, shm_scope
 
 STEP_PREFIX = "trtllm-orch."
 

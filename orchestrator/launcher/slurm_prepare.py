@@ -15,14 +15,14 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from .. import config as cfg
-from ..cluster_plan import make_cluster_plan, step_cpus
-from ..errors import OrchError, UsageError
-from .command import find_tritonserver, rank_args, shm_scope
-from .slurm_alloc import (allocation_nodes, choose_addresses, load_job, node_addresses,
+from orchestrator import config as cfg
+from orchestrator.cluster_plan import make_cluster_plan, step_cpus
+from orchestrator.errors import OrchError, UsageError
+from orchestrator.launcher.command import find_tritonserver, rank_args, shm_scope
+from orchestrator.launcher.slurm_alloc import (allocation_nodes, choose_addresses, load_job, node_addresses,
                           probe_interface)
-from .slurm_cli import run_sync
-from .slurm_command import STEP_PREFIX, node_env, srun_mpirun, srun_pmix, step_name
+from orchestrator.launcher.slurm_cli import run_sync
+from orchestrator.launcher.slurm_command import STEP_PREFIX, node_env, srun_mpirun, srun_pmix, step_name
 
 
 def pmix_problem(job_id: str, scope: str, run=run_sync) -> str | None:

@@ -8,9 +8,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..config import Settings
-from ..errors import EXIT_OK, UsageError
-from .unit import install_unit, render_unit
+from orchestrator.config import Settings
+from orchestrator.errors import EXIT_OK, UsageError
+from orchestrator.service.unit import install_unit, render_unit
 
 # What the unit passes to the instances: the stub and tritonserver find their
 # libraries and Python packages through these (scripts/setup-triton sets them).

@@ -13,8 +13,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..errors import UsageError
-from ..templates import render
+from orchestrator.errors import UsageError
+from orchestrator.templates import render
 
 TEMPLATE = "trtllm-orch.service.j2"
 UNIT_NAME = "trtllm-orch.service"

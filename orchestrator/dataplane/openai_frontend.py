@@ -36,15 +36,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import Counter
 
-from ..config import Settings
-from .backends import Backend
-from .embedded import EmbeddedProxy
-from .metrics import ProxyMetrics
-from .openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader, Translation,
+from orchestrator.config import Settings
+from orchestrator.routing.backends import Backend
+from orchestrator.dataplane.embedded import EmbeddedProxy
+from orchestrator.dataplane.metrics import ProxyMetrics
+from orchestrator.dataplane.openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader, Translation,
                          decode_json, error_body, model_body, models_body, native_body, native_error,
                          parse_request, stream_error)
-from .openai_model import ModelFacts, load_model_facts
-from .surface import (METHOD_NOT_ALLOWED, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_MODEL, OPENAI_MODELS,
+from orchestrator.dataplane.openai_model import ModelFacts, load_model_facts
+from orchestrator.routing.surface import (METHOD_NOT_ALLOWED, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_MODEL, OPENAI_MODELS,
                       Route)
 
 _JSON = "application/json"

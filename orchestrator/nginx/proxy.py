@@ -33,13 +33,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import Settings, parse_host_port
-from ..errors import EnvironmentProblem, OrchError
-from ..templates import render
-from .backends import Backend, ReadyBackends
-from .metrics import MetricsServer, NginxMetrics, ProxyMetrics
-from .nginx_master import RUNNING, NginxMaster, open_listener
-from .surface import admin_regexes
+from orchestrator.config import Settings, parse_host_port
+from orchestrator.errors import EnvironmentProblem, OrchError
+from orchestrator.templates import render
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.dataplane.metrics import MetricsServer, NginxMetrics, ProxyMetrics
+from orchestrator.nginx.master import RUNNING, NginxMaster, open_listener
+from orchestrator.routing.surface import admin_regexes
 
 TEMPLATE = "nginx.conf.j2"
 CONF_NAME = "nginx.conf"
@@ -177,7 +177,7 @@ class NginxProxy:
         # started before nginx and stopped after it (in-flight /v1/ requests pass through both).
         self._openai: Any = None
         if settings.openai == "on":
-            from .openai_frontend import OpenAIListener
+            from orchestrator.dataplane.openai_frontend import OpenAIListener
             self._openai = OpenAIListener(settings, backends, self._log, metrics=self.metrics)
 
     # --- public ------------------------------------------------------------------

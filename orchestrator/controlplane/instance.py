@@ -22,20 +22,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .config import Settings
-from .health.canary import CanaryScheduler, default_canary_body
-from .health.checks import InstanceChecks
-from .health.engine_state import EngineView
-from .health.outlier import PassiveHealth
-from .health.probes import ProbeResult
-from .health.restart_policy import RestartPolicy
-from .launcher.command import LaunchCommand
-from .launcher.group import LaunchFailed, ProcessGroup, Trouble
-from .launcher.logfile import RotatingLog
-from .plan import InstancePlan
-from .proxy.backends import Backend
-from .states import SERVING_STATES, State, check_transition
-from .statedir import StateDir
+from orchestrator.config import Settings
+from orchestrator.health.canary import CanaryScheduler, default_canary_body
+from orchestrator.health.checks import InstanceChecks
+from orchestrator.health.engine_state import EngineView
+from orchestrator.health.outlier import PassiveHealth
+from orchestrator.health.probes import ProbeResult
+from orchestrator.health.restart_policy import RestartPolicy
+from orchestrator.launcher.command import LaunchCommand
+from orchestrator.launcher.group import LaunchFailed, ProcessGroup, Trouble
+from orchestrator.launcher.logfile import RotatingLog
+from orchestrator.plan import InstancePlan
+from orchestrator.routing.backends import Backend
+from orchestrator.controlplane.states import SERVING_STATES, State, check_transition
+from orchestrator.controlplane.statedir import StateDir
 
 log = logging.getLogger("trtllm-orch")
 

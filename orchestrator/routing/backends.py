@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..health.engine_state import EngineView
-    from ..health.outlier import PassiveHealth
+    from orchestrator.health.engine_state import EngineView
+    from orchestrator.health.outlier import PassiveHealth
 
 
 @dataclass(frozen=True)

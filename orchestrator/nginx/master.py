@@ -37,9 +37,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import OrchError
-from ..health.restart_policy import RestartPolicy
-from ..launcher.logfile import shift_out_if_over
+from orchestrator.errors import OrchError
+from orchestrator.health.restart_policy import RestartPolicy
+from orchestrator.launcher.logfile import shift_out_if_over
 
 START_WAIT_S = 10.0  # until the new master runs a worker
 RELOAD_WAIT_S = 10.0

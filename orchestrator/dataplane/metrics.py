@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..config import parse_host_port
-from ..errors import OrchError
-from .backends import Backend
-from .recent import RecentLLM
+from orchestrator.config import parse_host_port
+from orchestrator.errors import OrchError
+from orchestrator.routing.backends import Backend
+from orchestrator.dataplane.recent import RecentLLM
 
 NO_INSTANCE = "none"  # label for requests answered by the proxy itself (403, 404, 503...)
 # Time to response headers: sub-ms for metadata, seconds for long prompts.

@@ -31,8 +31,8 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from .backends import Backend
-from .prefix_index import PrefixIndex, chunk_keys
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.prefix_index import PrefixIndex, chunk_keys
 
 KV_WEIGHT = 0.5  # a full KV cache counts as half a batch of extra requests
 # prefix-affinity follows a holder while its load is within this many requests of the least

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import OrchError
+from orchestrator.errors import OrchError
 
 log = logging.getLogger("trtllm-orch")
 

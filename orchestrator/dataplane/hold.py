@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from .backends import Backend, ReadyBackends
+from orchestrator.routing.backends import Backend, ReadyBackends
 
 
 class HoldGate:

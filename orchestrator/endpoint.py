@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import Settings
-from .backends import Backend, ReadyBackends
+from orchestrator.config import Settings
+from orchestrator.routing.backends import Backend, ReadyBackends
 
 
 def planned_backends(plan: Any) -> tuple[Backend, ...]:
@@ -29,17 +29,17 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     if settings.proxy == "none":
         if settings.openai == "on" and settings.openai_listen:
             # The OpenAI API for a system NGINX, which forwards /v1/ here (render-nginx).
-            from .openai_frontend import OpenAIListener
+            from orchestrator.dataplane.openai_frontend import OpenAIListener
             return [OpenAIListener(settings, backends, logger)]
         return []
     if settings.proxy == "nginx":
-        from .nginx import NginxProxy
+        from orchestrator.nginx.proxy import NginxProxy
         return [NginxProxy(settings, backends, state_dir, logger, planned=planned, on_change=on_change)]
-    from .embedded import EmbeddedProxy
-    from .metrics import ProxyMetrics
+    from orchestrator.dataplane.embedded import EmbeddedProxy
+    from orchestrator.dataplane.metrics import ProxyMetrics
     metrics = ProxyMetrics()  # one registry: the HTTP proxy's listener serves the gRPC proxy's too
     proxies: list[Any] = [EmbeddedProxy(settings, backends, logger, metrics=metrics)]
     if settings.grpc_listen:
-        from .grpc_proxy import GrpcProxy
+        from orchestrator.dataplane.grpc_proxy import GrpcProxy
         proxies.append(GrpcProxy(settings, backends, logger, metrics=metrics))
     return proxies

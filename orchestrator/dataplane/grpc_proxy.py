@@ -28,16 +28,16 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from ..config import Settings
-from ..errors import OrchError
-from .backends import Backend, ReadyBackends
-from .balancer import Balancer
-from .embedded import QUEUE_FULL_TEXT, SAME_INSTANCE_RETRY_DELAY_S
-from .hold import HoldGate
-from .llm_policies import RouteHints
-from .metrics import ProxyMetrics
-from .prompt import prompt_of_grpc
-from .surface import ADMIN_GRPC_METHODS, GRPC_SERVICE, PUBLIC_GRPC_METHODS, STREAMING_GRPC_METHODS
+from orchestrator.config import Settings
+from orchestrator.errors import OrchError
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.routing.balancer import Balancer
+from orchestrator.dataplane.embedded import QUEUE_FULL_TEXT, SAME_INSTANCE_RETRY_DELAY_S
+from orchestrator.dataplane.hold import HoldGate
+from orchestrator.routing.llm_policies import RouteHints
+from orchestrator.dataplane.metrics import ProxyMetrics
+from orchestrator.routing.prompt import prompt_of_grpc
+from orchestrator.routing.surface import ADMIN_GRPC_METHODS, GRPC_SERVICE, PUBLIC_GRPC_METHODS, STREAMING_GRPC_METHODS
 
 # Request metadata that belongs to this hop, not to the call: HTTP/2 pseudo headers
 # (':'-prefixed), gRPC's own keys (grpc-timeout is re-derived from the deadline) and

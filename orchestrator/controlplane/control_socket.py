@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from .errors import DaemonNotRunning, OrchError
+from orchestrator.errors import DaemonNotRunning, OrchError
 
 
 class ControlTarget(Protocol):

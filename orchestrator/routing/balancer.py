@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
-from .backends import Backend
-from .llm_policies import KvAware, PrefixAffinity, RouteHints
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints
 
 LEAST_OUTSTANDING = "least-outstanding"
 ROUND_ROBIN = "round-robin"

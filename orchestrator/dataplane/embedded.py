@@ -37,23 +37,23 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ..config import Settings, parse_host_port
-from ..errors import OrchError
-from .backends import Backend, ReadyBackends
-from .balancer import Balancer
-from .client_guard import BodyTimeout, ClientLimits, GuardedServer
-from .headers import TrustedPeers, client_response_headers, upstream_request_headers
-from .hold import HoldGate
-from .llm_policies import RouteHints
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
-from .prompt import prompt_of_json
-from .surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY, Surface
-from .upstream import (BadResponse, ConnectFailed, ConnectTimeout, Disconnected, HeadTimeout, UpstreamPool,
+from orchestrator.config import Settings, parse_host_port
+from orchestrator.errors import OrchError
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.routing.balancer import Balancer
+from orchestrator.dataplane.client_guard import BodyTimeout, ClientLimits, GuardedServer
+from orchestrator.dataplane.headers import TrustedPeers, client_response_headers, upstream_request_headers
+from orchestrator.dataplane.hold import HoldGate
+from orchestrator.routing.llm_policies import RouteHints
+from orchestrator.dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.dataplane.metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
+from orchestrator.routing.prompt import prompt_of_json
+from orchestrator.routing.surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY, Surface
+from orchestrator.dataplane.upstream import (BadResponse, ConnectFailed, ConnectTimeout, Disconnected, HeadTimeout, UpstreamPool,
                        UpstreamResponse)
 
 if TYPE_CHECKING:  # imported at run time only when the OpenAI API is on
-    from .openai_frontend import NativeCall
+    from orchestrator.dataplane.openai_frontend import NativeCall
 
 # Answers of non-streaming routes up to this size are read whole and sent in one write
 # with a Content-Length (fewer syscalls, and a drop mid-body becomes a clean 502 instead
@@ -146,7 +146,7 @@ class EmbeddedProxy:
         self._openai_only = openai_only
         self._openai = None
         if settings.openai == "on" or openai_only:
-            from .openai_frontend import OpenAIFrontend, ProxyPath
+            from orchestrator.dataplane.openai_frontend import OpenAIFrontend, ProxyPath
             self._openai = OpenAIFrontend(settings, ProxyPath(
                 read_body=self._read_body, forward=self._forward, settle=self._settle,
                 fail=self._upstream_failed, retry=_Retryable, metrics=self.metrics), self._log)

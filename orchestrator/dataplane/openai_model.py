@@ -29,8 +29,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import OrchError
-from .openai_api import OpenAIError
+from orchestrator.errors import OrchError
+from orchestrator.dataplane.openai_api import OpenAIError
 
 _TOKENIZER_DIR = re.compile(r'key:\s*"tokenizer_dir"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
 _COUNT_INPUT = re.compile(r'name:\s*"return_num_output_tokens"')

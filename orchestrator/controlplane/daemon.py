@@ -21,21 +21,21 @@ from typing import Any
 import aiohttp
 import psutil
 
-from .config import APPLIED_AT_RELAUNCH, Settings, reload_changes
-from .control import ControlServer
-from .errors import OrchError
-from .health.checks import InstanceChecks
-from .health.exit_watch import ExitWatcher
-from .health.loop_monitor import LoopMonitor
-from .instance import Instance, Shared
-from .launcher.command import LaunchCommand
-from .launcher.group import ProcessGroup
-from .launcher.process_tree import OsOps
-from .plan import InstancePlan, Plan
-from .proxy.backends import ReadyBackends
-from .reaper import sweep_leftovers
-from .states import State
-from .statedir import StateDir, StateWriter
+from orchestrator.config import APPLIED_AT_RELAUNCH, Settings, reload_changes
+from orchestrator.controlplane.control_socket import ControlServer
+from orchestrator.errors import OrchError
+from orchestrator.health.checks import InstanceChecks
+from orchestrator.health.exit_watch import ExitWatcher
+from orchestrator.health.loop_monitor import LoopMonitor
+from orchestrator.controlplane.instance import Instance, Shared
+from orchestrator.launcher.command import LaunchCommand
+from orchestrator.launcher.group import ProcessGroup
+from orchestrator.launcher.process_tree import OsOps
+from orchestrator.plan import InstancePlan, Plan
+from orchestrator.routing.backends import ReadyBackends
+from orchestrator.controlplane.reaper import sweep_leftovers
+from orchestrator.controlplane.states import State
+from orchestrator.controlplane.statedir import StateDir, StateWriter
 
 log = logging.getLogger("trtllm-orch")
 
@@ -220,7 +220,7 @@ class Daemon:
 
     # --- load balancer ---------------------------------------------------------------
     async def _start_proxies(self) -> None:
-        from .proxy import make_proxies, planned_backends
+        from orchestrator.endpoint import make_proxies, planned_backends
         self.proxies = make_proxies(self.settings, self.backends, self.state_dir.root,
                                     planned=planned_backends(self.plan), on_change=self._proxy_changed)
         for proxy in self.proxies:
@@ -437,6 +437,6 @@ class Daemon:
 def _make_notifier():
     if not os.environ.get("NOTIFY_SOCKET"):
         return None
-    from .service.sdnotify import SystemdNotifier
+    from orchestrator.service.sdnotify import SystemdNotifier
     return SystemdNotifier(logger=log)
 

@@ -20,9 +20,9 @@ import os
 
 import psutil
 
-from .launcher.process_tree import OsOps, alive, same_process, stop_processes, tagged_processes
-from .launcher.slurm import sweep_steps
-from .statedir import StateDir
+from orchestrator.launcher.process_tree import OsOps, alive, same_process, stop_processes, tagged_processes
+from orchestrator.launcher.slurm import sweep_steps
+from orchestrator.controlplane.statedir import StateDir
 
 log = logging.getLogger("trtllm-orch")
 
