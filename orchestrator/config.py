@@ -31,6 +31,7 @@ CPU_AFFINITY = ("auto", "off")
 OPENAI_MODES = ("on", "off")
 LAUNCHERS = ("auto", "local", "slurm")
 SLURM_MPI = ("auto", "mpirun", "pmix")
+MAX_PROXY_WORKERS = 64  # dataplane/shared_table.py MAX_WORKERS
 
 
 def opt(default: Any, help: str, *, group: str = "launch", short: str | None = None,
@@ -92,6 +93,10 @@ class Settings:
 
     # --- proxy ------------------------------------------------------------------
     proxy: str = opt("embedded", "load balancer: " + ", ".join(PROXY_MODES), group="proxy")
+    proxy_workers: str = opt("auto", "data-plane worker processes serving the endpoint (--proxy embedded), "
+                             "or NGINX worker_processes (--proxy nginx): N (1-64) or auto (a quarter of the "
+                             "CPUs, 1 to 16: the engines' ranks and their stubs need the rest)",
+                             group="proxy", metavar="N|auto")
     listen: str = opt("0.0.0.0:8080", "public HTTP endpoint", group="proxy", metavar="HOST:PORT")
     grpc_listen: str = opt("0.0.0.0:8081", "public gRPC endpoint ('' disables it)", group="proxy",
                            metavar="HOST:PORT")
@@ -223,6 +228,9 @@ class Settings:
                               ("launcher", LAUNCHERS), ("slurm_mpi", SLURM_MPI), ("openai", OPENAI_MODES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(flag(name), getattr(self, name), "must be one of " + ", ".join(allowed))
+        if self.proxy_workers != "auto" and not (self.proxy_workers.isdigit()
+                                                 and 1 <= int(self.proxy_workers) <= MAX_PROXY_WORKERS):
+            raise UsageError("--proxy-workers", self.proxy_workers, f"must be auto or 1-{MAX_PROXY_WORKERS}")
         for name in ("listen", "grpc_listen", "metrics_listen", "openai_listen"):
             value = getattr(self, name)
             if value or name == "listen":
@@ -236,6 +244,16 @@ class Settings:
                 raise UsageError("--canary-body", self.canary_body, "must be a JSON object")
         if not self.tensorrt_llm_model or any(not m for m in self.tensorrt_llm_model):
             raise UsageError("--tensorrt-llm-model", ",".join(self.tensorrt_llm_model), "needs a model name")
+
+    def worker_count(self, cpus: int | None = None) -> int:
+        """--proxy-workers as a number. auto: a quarter of the CPUs, 1 to 16. One worker relays
+        ~100k+ streamed tokens/s; the ranks (one busy core each), their Python-backend stubs and
+        tokenizers need the rest of the host (a frontend that took every core starved a GPU
+        worker to 50-80% in Dynamo PR #13849)."""
+        if self.proxy_workers != "auto":
+            return int(self.proxy_workers)
+        cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+        return max(1, min(16, cpus // 4))
 
     def resolved_state_dir(self) -> Path:
         if self.state_dir:
@@ -348,6 +366,18 @@ def load_toml(path: str) -> dict[str, Any]:
             raise UsageError("config key", key, f"unknown key in {path}")
         values[name] = _coerce(name, value, "config")
     return values
+
+
+def settings_to_json(settings: Settings) -> dict[str, Any]:
+    """The settings as plain JSON (the data-plane workers' copy; the state dir's record)."""
+    return dataclasses.asdict(settings)
+
+
+def settings_from_json(data: dict[str, Any]) -> Settings:
+    """The inverse of settings_to_json; fields this version does not know are dropped (a
+    newer daemon may hand an older worker its settings during an upgrade)."""
+    known = {name: tuple(v) if isinstance(v, list) else v for name, v in data.items() if name in FIELDS}
+    return Settings(**known)
 
 
 def build_settings(config_file: str | None, flags: dict[str, Any]) -> Settings:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -126,7 +128,13 @@ SAME_INSTANCE_RETRY_DELAY_S = 0.1
 class EmbeddedProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends,
                  logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None,
-                 openai_only: bool = False) -> None:
+                 openai_only: bool = False, *, shared: Any = None,
+                 sockets: dict[str, socket.socket] | None = None,
+                 tally: Callable[[], None] | None = None) -> None:
+        """shared: a data-plane worker's view of the global in-flight counts and its own row
+        (Balancer); sockets: listening sockets by flag name ("listen", "metrics_listen"), bound
+        by the worker's supervisor and shared by every worker, instead of binding our own;
+        tally: called once per answered request (the worker's count in the shared table)."""
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.proxy")
@@ -135,7 +143,9 @@ class EmbeddedProxy:
         self._http_log = logging.Logger(self._log.name + ".http")
         self._http_log.parent = self._log
         self._http_log.addFilter(_QuietProtocolErrors())
-        self._balancer = Balancer(settings.lb_policy)
+        self._balancer = Balancer(settings.lb_policy, shared=shared)
+        self._sockets = sockets or {}
+        self._tally = tally
         self._surface = Surface()
         self.metrics = metrics or ProxyMetrics()  # shared with the gRPC proxy (make_proxies)
         self._hold = HoldGate(backends, settings.hold_s, settings.max_held,
@@ -197,11 +207,11 @@ class EmbeddedProxy:
         self._on_backends(self._backends.current())
         self._hold.start()
         try:
-            self._runner = await self._listen(self._handle, s.listen, "--listen")
+            self._runner = await self._listen(self._handle, s.listen, "listen")
             self._bound_port = self._runner.addresses[0][1]
             if s.metrics_listen:
                 self._metrics_runner = await self._listen(self._handle_metrics, s.metrics_listen,
-                                                          "--metrics-listen")
+                                                          "metrics_listen")
                 self._metrics_port = self._metrics_runner.addresses[0][1]
         except BaseException:
             await self._close_all()
@@ -209,7 +219,8 @@ class EmbeddedProxy:
         self._log.info("proxy listening on %s (metrics: %s, policy %s)", s.listen,
                        s.metrics_listen or "off", s.lb_policy)
 
-    async def _listen(self, handler: Any, address: str, flag: str) -> web.ServerRunner:
+    async def _listen(self, handler: Any, address: str, name: str) -> web.ServerRunner:
+        flag = "--" + name.replace("_", "-")
         host, port = parse_host_port(address, flag)
         server = GuardedServer(handler, limits=self._limits, log=self._log, handler_cancellation=True,
                                access_log=None, auto_decompress=False,
@@ -217,8 +228,12 @@ class EmbeddedProxy:
         self._servers.append(server)
         runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CANCEL_GRACE_S)
         await runner.setup()
+        sock = self._sockets.get(name)
         try:
-            await web.TCPSite(runner, host, port, backlog=1024).start()
+            if sock is not None:  # a worker: the supervisor's socket, shared by every worker
+                await web.SockSite(runner, sock).start()
+            else:
+                await web.TCPSite(runner, host, port, backlog=1024).start()
         except OSError as exc:
             await runner.cleanup()
             raise OrchError(f"{flag}={address!r}: cannot listen: {exc.strerror or exc}") from None
@@ -302,6 +317,8 @@ class EmbeddedProxy:
             resp = await self._dispatch(request)
         finally:
             self._handlers.discard(task)
+            if self._tally is not None:
+                self._tally()
         if self._stopping and not resp.prepared:
             resp.force_close()
         return resp

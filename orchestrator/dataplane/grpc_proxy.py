@@ -96,11 +96,15 @@ class _Upstream:
 
 class GrpcProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends,
-                 logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None) -> None:
+                 logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None, *,
+                 shared: Any = None, reuseport: bool = False) -> None:
+        """shared: a data-plane worker's global in-flight view and its row (Balancer);
+        reuseport: every worker binds the gRPC port itself (grpcio takes no listening
+        socket), so the kernel spreads HTTP/2 connections over them."""
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.grpc_proxy")
-        self._balancer = Balancer(settings.lb_policy)
+        self._balancer = Balancer(settings.lb_policy, shared=shared)
         # Served on the HTTP proxy's metrics listener when make_proxies shares it.
         self.metrics = metrics or ProxyMetrics()
         self._hold = HoldGate(backends, settings.hold_s, settings.max_held,
@@ -122,8 +126,9 @@ class GrpcProxy:
             ("grpc.max_send_message_length", size),
             ("grpc.max_receive_message_length", size),
             # gRPC sets SO_REUSEPORT by default: a second daemon on the same port would
-            # then bind "successfully" and steal half the connections.
-            ("grpc.so_reuseport", 0),
+            # then bind "successfully" and steal half the connections. Only the workers of
+            # one data plane share it (`up` checks the port is free first).
+            ("grpc.so_reuseport", 1 if reuseport else 0),
         ]
         self._upstreams: dict[str, _Upstream] = {}
         self._retired: set[_Upstream] = set()  # left the ready set; closing once idle

@@ -8,13 +8,16 @@ a dict build, too much for the per-request path.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from orchestrator.config import parse_host_port
 from orchestrator.errors import OrchError
@@ -42,8 +45,10 @@ class ProxyMetrics:
         self.requests = Counter("trtllm_orch_proxy_requests", "Requests answered, by instance and "
                                 "HTTP status ('none': answered by the proxy)",
                                 ("instance", "code"), registry=r)
+        # multiprocess_mode: how the data-plane workers' values add up (prometheus_client's
+        # multiprocess mode, on in a worker; ignored in one process).
         self.inflight = Gauge("trtllm_orch_proxy_inflight_requests", "Requests in flight per instance",
-                              ("instance",), registry=r)
+                              ("instance",), registry=r, multiprocess_mode="livesum")
         self.retries = Counter("trtllm_orch_proxy_retries", "Attempts retried on another instance, "
                                "by the failed instance and reason", ("instance", "reason"), registry=r)
         self.upstream_failures = Counter("trtllm_orch_proxy_upstream_failures",
@@ -53,10 +58,11 @@ class ProxyMetrics:
                                  "Time from sending a request to an instance to its response headers",
                                  ("instance",), buckets=LATENCY_BUCKETS, registry=r)
         self.ready_instances = Gauge("trtllm_orch_proxy_ready_instances",
-                                     "Instances the proxy may route to", registry=r)
+                                     "Instances the proxy may route to", registry=r,
+                                     multiprocess_mode="livemax")
         self.instance_ready = Gauge("trtllm_orch_proxy_instance_ready",
                                     "1 while the instance is in the ready set", ("instance",),
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livemax")
         # LLM-level: what a client of a generation sees (see TokenTimer).
         self.ttft = Histogram("trtllm_orch_proxy_time_to_first_token_seconds",
                               "From the proxy having the request to its first output event reaching "
@@ -70,7 +76,8 @@ class ProxyMetrics:
                                      "ModelStreamInfer, 1 per non-streamed answer (per-token streaming: "
                                      "1 event = 1 token)", ("instance", "api"), registry=r)
         self.held = Gauge("trtllm_orch_proxy_held_requests",
-                          "Requests waiting for an instance to become ready", ("proxy",), registry=r)
+                          "Requests waiting for an instance to become ready", ("proxy",), registry=r,
+                          multiprocess_mode="livesum")
         self.hold_time = Histogram("trtllm_orch_proxy_hold_seconds",
                                    "How long held requests waited, by whether an instance came",
                                    ("proxy", "outcome"), buckets=HOLD_BUCKETS, registry=r)
@@ -78,6 +85,10 @@ class ProxyMetrics:
                                "Instances chosen for an attempt, by policy and the policy's reason",
                                ("policy", "reason", "instance"), registry=r)
         self.recent = RecentLLM()  # the last minute, for `status` and `top`
+        # A data-plane worker: every worker writes its values to files here and a scrape
+        # of any worker adds them all up (prometheus_client's multiprocess mode).
+        self.multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+        self.extra_collectors: list[Any] = []  # served beside ours (the workers' own table)
         self._engines = EngineCollector()
         r.register(self._engines)
         self._held_gauges: dict[str, Callable[[], int]] = {}
@@ -150,11 +161,15 @@ class ProxyMetrics:
     def watch_held(self, proxy: str, count: Callable[[], int]) -> Callable[[float, bool], None]:
         """Export a hold gate's waiting count (read at scrape time); returns its on_held hook."""
         self._held_gauges[proxy] = count
-        self.held.labels(proxy).set_function(count)
+        held = self.held.labels(proxy)
+        if not self.multiproc_dir:  # across processes there are no callbacks: the worker's
+            held.set_function(count)  # held count is set as it ends (and kept in its table row)
         routed, timed_out = self.hold_time.labels(proxy, "routed"), self.hold_time.labels(proxy, "timed_out")
 
         def on_held(seconds: float, got_instance: bool) -> None:
             (routed if got_instance else timed_out).observe(seconds)
+            if self.multiproc_dir:
+                held.set(count())
 
         return on_held
 
@@ -162,6 +177,12 @@ class ProxyMetrics:
         return sum(count() for count in self._held_gauges.values())
 
     def render(self) -> bytes:
+        if self.multiproc_dir:
+            registry = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(registry, path=self.multiproc_dir)
+            for collector in (self._engines, *self.extra_collectors):
+                registry.register(collector)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 _LINE = re.compile(r'^(nv_trt_llm_[a-z_]+|nv_inference_pending_request_count|nv_llm_input_token_len_sum)'
                    r'\{([^}]*)\}\s+(\S+)')
@@ -64,6 +65,10 @@ class EngineSnapshot:
     def queued(self) -> int:
         """Requests the engine has but does not run yet."""
         return self.waiting + self.pending
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        """Every field, for the data-plane feed (EngineSnapshot(**d) rebuilds it)."""
+        return asdict(self)
 
     def describe(self) -> dict[str, float | int | None]:
         return {"active": self.active, "max_active": self.max_active, "waiting": self.queued,
@@ -114,11 +119,16 @@ class EngineView:
         self.stale_after_s = stale_after_s
         self.latest: EngineSnapshot | None = None
         self._first_of_window: EngineSnapshot | None = None
+        # Told of every snapshot: the data-plane supervisor publishes them to the workers
+        # (the owner publishes; nobody polls the view).
+        self.listeners: list[Callable[[EngineSnapshot], None]] = []
 
     def update(self, snap: EngineSnapshot) -> None:
         if self._first_of_window is None or snap.at - self._first_of_window.at > 60:
             self._first_of_window = snap
         self.latest = snap
+        for listener in self.listeners:
+            listener(snap)
 
     def clear(self) -> None:
         """The instance left (restart): its engine's numbers are gone with it."""

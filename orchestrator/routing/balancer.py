@@ -33,6 +33,14 @@ ROUND_ROBIN = "round-robin"
 DEFAULT_COOLDOWN_S = 1.0
 
 
+class SharedCounts(Protocol):
+    """A data-plane worker's own row of the shared in-flight table (dataplane/shared_table.py)."""
+
+    def acquire(self, instance_id: str) -> None: ...
+
+    def release(self, instance_id: str) -> None: ...
+
+
 class Policy(Protocol):
     def choose(self, backends: Sequence[Backend], skip: Collection[str],
                inflight: Mapping[str, int], hints: RouteHints | None = None) -> Backend | None:
@@ -99,12 +107,20 @@ POLICIES: dict[str, Callable[[random.Random], Policy]] = {
 
 
 class Balancer:
-    __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling")
+    __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling",
+                 "_view", "_shared")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cooldown_s: float = DEFAULT_COOLDOWN_S) -> None:
+                 cooldown_s: float = DEFAULT_COOLDOWN_S,
+                 shared: "tuple[Mapping[str, int], SharedCounts] | None" = None) -> None:
+        # This process's own requests in flight (its `status` share), and what the policies
+        # route on: the same dict in one process, or with several data-plane workers the
+        # count over all of them (`shared`: a view of the shared table and this worker's
+        # row in it), so every worker balances on the same global numbers.
         self.inflight: dict[str, int] = {}
+        self._view: Mapping[str, int] = shared[0] if shared is not None else self.inflight
+        self._shared: SharedCounts | None = shared[1] if shared is not None else None
         self._rng = rng or random.Random()
         self._clock = clock
         self._cooldown_s = cooldown_s
@@ -142,11 +158,11 @@ class Balancer:
                 if until <= now:
                     del cooling[iid]
         if not cooling:
-            return self._choose(backends, exclude, self.inflight, hints)
+            return self._choose(backends, exclude, self._view, hints)
         # Cooling instances only when nothing else is left.
-        chosen = self._choose(backends, cooling.keys() | set(exclude), self.inflight, hints)
+        chosen = self._choose(backends, cooling.keys() | set(exclude), self._view, hints)
         if chosen is None:
-            chosen = self._choose(backends, exclude, self.inflight, hints)
+            chosen = self._choose(backends, exclude, self._view, hints)
         return chosen
 
     def forget(self, instance_id: str) -> None:
@@ -158,6 +174,8 @@ class Balancer:
     # --- bookkeeping -------------------------------------------------------------
     def acquire(self, instance_id: str) -> None:
         self.inflight[instance_id] = self.inflight.get(instance_id, 0) + 1
+        if self._shared is not None:
+            self._shared.acquire(instance_id)
 
     def release(self, instance_id: str) -> None:
         n = self.inflight.get(instance_id, 0) - 1
@@ -165,6 +183,8 @@ class Balancer:
             self.inflight[instance_id] = n
         else:
             self.inflight.pop(instance_id, None)
+        if self._shared is not None:
+            self._shared.release(instance_id)
 
     def connect_failed(self, instance_id: str) -> None:
         self._cooling[instance_id] = self._clock() + self._cooldown_s

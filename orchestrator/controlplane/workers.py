@@ -1,0 +1,429 @@
+"""The data plane as the daemon sees it: N proxy worker processes, supervised.
+
+The pool binds the public HTTP and metrics sockets once and hands the same
+sockets to every worker (inherited file descriptors), so the port is bound from
+`up` to `down` whatever happens to any one worker: a worker that dies leaves its
+share of the accept queue to the others, a replaced one takes over the same
+socket. Why one shared socket rather than one SO_REUSEPORT socket per worker:
+closing a reuseport socket resets the connections still in its own accept queue
+(unless the host sets net.ipv4.tcp_migrate_req), so every worker replacement and
+every shrink at reload would refuse a few clients under load; a shared socket
+never closes while the run lives. Workers run with libuv's single-accept mode, so
+an idle worker is not outraced to a burst of connections by a busy one.
+
+It owns: the sockets, the shared table (created zeroed at start), the feed server,
+one supervising task per slot, the worker processes. It publishes to the workers,
+over the feed, what the daemon owns: membership (on every change), each ready
+instance's engine snapshots (as scraped), the settings (at reload). It takes from
+them passive health reports, which go to the instance's own PassiveHealth, and
+their per-second stats (for `status` and `top`).
+
+A worker that exits unasked is replaced in its slot (its row of the table is
+cleared first: what it had in flight died with its connections); one that dies
+again within STABLE_S of its start waits a growing backoff, as engines do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import Settings, parse_host_port, settings_to_json
+from orchestrator.dataplane.feed import FeedServer
+from orchestrator.dataplane.shared_table import SharedTable, instance_index
+from orchestrator.dataplane.worker import dataplane_dir, feed_path, table_path
+from orchestrator.errors import OrchError
+from orchestrator.health.engine_state import EngineSnapshot
+from orchestrator.launcher.command import ENV_STATE_DIR
+from orchestrator.routing.backends import Backend, ReadyBackends
+
+START_TIMEOUT_S = 30.0
+STABLE_S = 10.0
+BACKOFF_MAX_S = 5.0
+LISTEN_BACKLOG = 4096
+ENV_ROLE = "TRTLLM_ORCH_ROLE"  # "dataplane": what the reaper and adoption look for
+
+
+@dataclass
+class _Slot:
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    restarts: int = 0
+    fast_failures: int = 0
+    last_exit: str = ""
+    version: str = ""
+    listening: asyncio.Event = field(default_factory=asyncio.Event)
+    stats: dict[str, Any] = field(default_factory=dict)
+    wanted: bool = True
+    task: asyncio.Task[None] | None = None
+
+
+def bind_listener(address: str, flag: str) -> socket.socket:
+    """The public socket every worker accepts on (non-blocking, inheritable through pass_fds)."""
+    host, port = parse_host_port(address, flag)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as exc:
+        raise OrchError(f"{flag}={address!r}: cannot listen: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class WorkerPool:
+    kind = "embedded"
+
+    def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
+                 logger: logging.Logger | None = None, on_change: Callable[[], None] | None = None) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._state_dir = state_dir
+        self._log = logger or logging.getLogger("trtllm-orch.dataplane")
+        self._on_change = on_change or (lambda: None)
+        self._dir = dataplane_dir(state_dir)
+        self._prom_dir = self._dir / "prometheus"
+        self._settings_file = self._dir / "settings.json"
+        self._slots: dict[int, _Slot] = {}
+        self._sockets: dict[str, socket.socket] = {}
+        self._table: SharedTable | None = None
+        self._feed: FeedServer | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self._hooked: dict[str, tuple[Any, Callable[[EngineSnapshot], None]]] = {}
+        self._stopping = False
+        self._resize_task: asyncio.Task[None] | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self._settings
+        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shutil.rmtree(self._prom_dir, ignore_errors=True)  # counters of a previous run
+        self._prom_dir.mkdir(mode=0o700)
+        self._table = SharedTable.create(table_path(self._state_dir))
+        try:
+            self._sockets["listen"] = bind_listener(s.listen, "--listen")
+            if s.metrics_listen:
+                self._sockets["metrics_listen"] = bind_listener(s.metrics_listen, "--metrics-listen")
+            self._feed = FeedServer(feed_path(self._state_dir), on_connect=self._on_connect,
+                                    on_message=self._on_message, logger=self._log)
+            await self._feed.start()
+            self._write_settings()
+            self._unsubscribe = self._backends.subscribe(self._on_members)
+            await self._grow(s.worker_count())
+        except BaseException:
+            await self.stop(0)
+            raise
+        self._log.info("data plane: %d worker(s) on %s (grpc %s, metrics %s)", len(self._slots), s.listen,
+                       s.grpc_listen or "off", s.metrics_listen or "off")
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._stopping = True
+        if self._resize_task is not None:
+            self._resize_task.cancel()
+            await asyncio.gather(self._resize_task, return_exceptions=True)
+        await self._retire(list(self._slots.values()), grace_s)
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        for view, listener in self._hooked.values():
+            with contextlib.suppress(ValueError):
+                view.listeners.remove(listener)
+        self._hooked.clear()
+        if self._feed is not None:
+            await self._feed.stop()
+            self._feed = None
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+
+    # --- workers -----------------------------------------------------------------------------
+    async def _grow(self, count: int) -> None:
+        """Fill slots 0..count-1 that have no worker, and wait until each listens."""
+        new = []
+        for index in range(count):
+            if index not in self._slots:
+                slot = self._slots[index] = _Slot(index)
+                await self._spawn(slot)
+                slot.task = asyncio.get_running_loop().create_task(self._supervise(slot),
+                                                                   name=f"dataplane-worker-{index}")
+                new.append(slot)
+        await self._wait_listening(new)
+
+    async def _wait_listening(self, slots: list[_Slot]) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for slot in slots:
+            while not slot.listening.is_set():
+                if slot.proc is None or slot.proc.returncode is not None:
+                    raise OrchError(f"data-plane worker {slot.index} exited at start ({slot.last_exit}): "
+                                    f"{self._log_tail(slot.index)}")
+                if time.monotonic() > deadline:
+                    raise OrchError(f"data-plane worker {slot.index} did not listen within {START_TIMEOUT_S:.0f}s: "
+                                    f"{self._log_tail(slot.index)}")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(slot.listening.wait(), 0.1)
+
+    async def _spawn(self, slot: _Slot) -> None:
+        assert self._table is not None
+        self._table.clear_worker(slot.index)
+        slot.listening.clear()
+        fds = {name: sock.fileno() for name, sock in self._sockets.items()}
+        argv = [sys.executable, "-m", "orchestrator.dataplane.worker", "--state-dir", str(self._state_dir),
+                "--slot", str(slot.index), "--settings", str(self._settings_file)]
+        if "listen" in fds:
+            argv += ["--listen-fd", str(fds["listen"])]
+        if "metrics_listen" in fds:
+            argv += ["--metrics-fd", str(fds["metrics_listen"])]
+        env = dict(os.environ)
+        env.update({ENV_STATE_DIR: str(self._state_dir), ENV_ROLE: "dataplane",
+                    "PROMETHEUS_MULTIPROC_DIR": str(self._prom_dir),
+                    # libuv: accept one connection per wake-up, so workers share a burst
+                    "UV_TCP_SINGLE_ACCEPT": "1",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), env.get("PYTHONPATH", "")]))})
+        log_path = self._dir / f"worker-{slot.index}.log"
+        with open(log_path, "ab") as log:
+            # Its own session: a signal to the daemon's process group (Ctrl-C, systemd's
+            # KillMode=mixed SIGTERM) is not the worker's; the daemon stops it explicitly.
+            slot.proc = await asyncio.create_subprocess_exec(
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                pass_fds=tuple(fds.values()), start_new_session=True)
+        slot.started = time.monotonic()
+        self._on_change()
+
+    async def _supervise(self, slot: _Slot) -> None:
+        while True:
+            proc = slot.proc
+            assert proc is not None
+            rc = await proc.wait()
+            slot.last_exit = _describe_exit(rc)
+            self._forget_process(slot, proc.pid)
+            if self._stopping or not slot.wanted:
+                return
+            lived = time.monotonic() - slot.started
+            slot.fast_failures = slot.fast_failures + 1 if lived < STABLE_S else 0
+            delay = 0.0 if slot.fast_failures <= 1 else min(BACKOFF_MAX_S, 0.1 * 2 ** slot.fast_failures)
+            self._log.warning("data-plane worker %d pid=%d %s after %.1fs; replacing it%s", slot.index, proc.pid,
+                              slot.last_exit, lived, f" in {delay:.1f}s" if delay else "")
+            if delay:
+                await asyncio.sleep(delay)
+            if self._stopping or not slot.wanted:
+                return
+            slot.restarts += 1
+            await self._spawn(slot)
+
+    def _forget_process(self, slot: _Slot, pid: int) -> None:
+        if self._table is not None:
+            self._table.clear_worker(slot.index)
+        with contextlib.suppress(Exception):
+            from prometheus_client import multiprocess
+            multiprocess.mark_process_dead(pid, str(self._prom_dir))
+        slot.stats = {}
+        self._on_change()
+
+    async def _retire(self, slots: list[_Slot], grace_s: float) -> None:
+        """Drain workers: stop accepting, finish in flight up to the grace, then exit (or SIGKILL)."""
+        for slot in slots:
+            slot.wanted = False
+            if slot.proc is not None and slot.proc.returncode is None:
+                sent = self._feed is not None and self._feed.send(slot.index, {"t": "drain", "grace_s": grace_s})
+                if not sent:
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.proc.send_signal(signal.SIGTERM)
+        procs = [s.proc for s in slots if s.proc is not None and s.proc.returncode is None]
+        if procs:
+            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs],
+                                            timeout=grace_s + 3.0)
+            for proc in procs:
+                if proc.returncode is None:
+                    self._log.warning("data-plane worker pid=%d did not drain in time: SIGKILL", proc.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            await asyncio.gather(*(p.wait() for p in procs), return_exceptions=True)
+        for slot in slots:
+            if slot.task is not None:
+                slot.task.cancel()
+                await asyncio.gather(slot.task, return_exceptions=True)
+            self._slots.pop(slot.index, None)
+
+    # --- reload ------------------------------------------------------------------------------
+    def apply_settings(self, settings: Settings) -> None:
+        old, self._settings = self._settings, settings
+        self._write_settings()
+        if self._feed is not None:
+            self._feed.broadcast({"t": "settings", "settings": settings_to_json(settings)})
+        want = settings.worker_count()
+        if want != old.worker_count() or want != len(self._slots):
+            if self._resize_task is not None and not self._resize_task.done():
+                self._resize_task.cancel()
+            self._resize_task = asyncio.get_running_loop().create_task(self._resize(want), name="dataplane-resize")
+
+    async def _resize(self, want: int) -> None:
+        # New workers first (they listen on the same sockets), then the extra ones drain:
+        # at no moment does the endpoint have fewer accepting workers than the smaller count.
+        try:
+            await self._grow(want)
+        except OrchError as exc:
+            self._log.error("data plane resize to %d failed: %s", want, exc)
+            return
+        extra = [slot for index, slot in sorted(self._slots.items()) if index >= want]
+        if extra:
+            await self._retire(extra, self._settings.stop_grace_s)
+        self._log.info("data plane: %d worker(s)", len(self._slots))
+        self._on_change()
+
+    def _write_settings(self) -> None:
+        tmp = self._settings_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(settings_to_json(self._settings)))
+        os.replace(tmp, self._settings_file)
+
+    # --- the feed ------------------------------------------------------------------------------
+    def _on_connect(self, slot_index: int, hello: dict[str, Any]) -> list[dict[str, Any]]:
+        slot = self._slots.get(slot_index)
+        if slot is not None:
+            slot.version = str(hello.get("version", ""))
+        out = [{"t": "settings", "settings": settings_to_json(self._settings)},
+               _members(self._backends.current())]
+        for b in self._backends.current():
+            snap = b.engine.latest if b.engine is not None else None
+            if snap is not None:
+                out.append({"t": "engine", "iid": b.instance_id, "snap": snap.as_dict()})
+        return out
+
+    def _on_message(self, slot_index: int, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        if kind == "health":
+            backend = next((b for b in self._backends.current() if b.instance_id == msg.get("iid")), None)
+            if backend is not None:  # gone already: its restart made the report moot
+                if msg.get("ok"):
+                    backend.report_success()
+                else:
+                    backend.report_failure(str(msg.get("reason", "")))
+        elif kind == "stats":
+            slot = self._slots.get(slot_index)
+            if slot is not None:
+                slot.stats = msg
+        elif kind == "listening":
+            slot = self._slots.get(slot_index)
+            if slot is not None:
+                slot.listening.set()
+
+    def _on_members(self, backends: tuple[Backend, ...]) -> None:
+        if self._feed is None:
+            return
+        self._feed.broadcast(_members(backends))
+        for b in backends:  # publish each ready instance's engine snapshots as they come
+            view = b.engine
+            if view is None or b.instance_id in self._hooked and self._hooked[b.instance_id][0] is view:
+                continue
+            listener = self._engine_listener(b.instance_id)
+            view.listeners.append(listener)
+            self._hooked[b.instance_id] = (view, listener)
+
+    def _engine_listener(self, iid: str) -> Callable[[EngineSnapshot], None]:
+        def publish(snap: EngineSnapshot) -> None:
+            if self._feed is not None and any(b.instance_id == iid for b in self._backends.current()):
+                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict()})
+        return publish
+
+    # --- what the daemon asks ------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self._slots.values() if s.proc is not None and s.proc.returncode is None]
+
+    def inflight(self) -> dict[str, int]:
+        table = self._table
+        if table is None:
+            return {}
+        return {b.instance_id: table.inflight(instance_index(b.instance_id)) for b in self._backends.current()}
+
+    def held_now(self) -> int:
+        table = self._table
+        return sum(table.held(i) for i in self._slots) if table is not None else 0
+
+    def llm_summary(self) -> dict[str, dict[str, Any]]:
+        """Every worker's last minute per instance, added up (rates and counts add; a
+        percentile cannot be added: the generation-weighted mean of the workers' stands in)."""
+        merged: dict[str, dict[str, Any]] = {}
+        for slot in self._slots.values():
+            for iid, row in (slot.stats.get("llm") or {}).items():
+                m = merged.setdefault(iid, {"tokens_per_s": 0.0, "generations": 0, "window_s": 0.0,
+                                            "_w50": 0.0, "_w99": 0.0, "_w": 0})
+                m["tokens_per_s"] += row.get("tokens_per_s") or 0.0
+                m["generations"] += row.get("generations") or 0
+                m["window_s"] = max(m["window_s"], row.get("window_s") or 0.0)
+                if row.get("ttft_p50_ms") is not None:
+                    w = max(1, row.get("generations") or 0)
+                    m["_w"] += w
+                    m["_w50"] += w * row["ttft_p50_ms"]
+                    m["_w99"] += w * (row.get("ttft_p99_ms") or row["ttft_p50_ms"])
+        for m in merged.values():
+            w = m.pop("_w")
+            w50, w99 = m.pop("_w50"), m.pop("_w99")
+            m["ttft_p50_ms"] = round(w50 / w, 1) if w else None
+            m["ttft_p99_ms"] = round(w99 / w, 1) if w else None
+            m["tokens_per_s"] = round(m["tokens_per_s"], 1)
+        return merged
+
+    def status(self) -> dict[str, Any]:
+        table = self._table
+        now = time.monotonic()
+        workers = []
+        for index, slot in sorted(self._slots.items()):
+            alive = slot.proc is not None and slot.proc.returncode is None
+            workers.append({
+                "slot": index, "pid": slot.proc.pid if alive and slot.proc else None,
+                "alive": alive, "version": slot.version, "restarts": slot.restarts,
+                "uptime_s": round(now - slot.started, 1) if alive else 0.0,
+                "connections": int(slot.stats.get("connections", 0)) if alive else 0,
+                "inflight": table.worker_inflight(index) if table is not None else 0,
+                "held": table.held(index) if table is not None else 0,
+                "requests": table.requests(index) if table is not None else 0,
+                "last_exit": slot.last_exit,
+            })
+        alive = sum(1 for w in workers if w["alive"])
+        return {"kind": self.kind, "state": "running" if alive == len(workers) and workers else "degraded",
+                "workers_wanted": self._settings.worker_count(), "workers_alive": alive,
+                "requests": sum(w["requests"] for w in workers),
+                "inflight": sum(w["inflight"] for w in workers),
+                "connections": sum(w["connections"] for w in workers),
+                "workers": workers, "last_failure": next((w["last_exit"] for w in workers if w["last_exit"]), "")}
+
+    def _log_tail(self, index: int, n: int = 5) -> str:
+        try:
+            lines = (self._dir / f"worker-{index}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(lines[-n:]) or "(empty log)"
+
+
+def _members(backends: tuple[Backend, ...]) -> dict[str, Any]:
+    return {"t": "members", "backends": [{"id": b.instance_id, "host": b.host, "http": b.http_port,
+                                          "grpc": b.grpc_port, "metrics": b.metrics_port} for b in backends]}
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exited {rc}"
+
+
+def _package_root() -> str:
+    """Where `orchestrator` is imported from: a worker started by an installed daemon or a
+    source checkout imports the same code (an upgrade starts new workers from new code)."""
+    return str(Path(__file__).resolve().parents[2])

@@ -1,0 +1,211 @@
+"""What the data-plane workers share: one small memory-mapped file in the state dir.
+
+Layout (native byte order, fixed offsets, no locks):
+    header      magic, layout version, max workers, max instances
+    inflight    [worker][instance] int32  requests in flight, written by that worker only
+    worker      [worker] pid, connections, held, heartbeat  written by that worker only
+    requests    [worker] int64 requests answered             written by that worker only
+    ejected     [instance] float64 monotonic time an ejection ends (0: none); any worker
+                writes it, last writer wins: an ejection is a fact every worker may learn
+
+One writer per cell is what makes this safe without locks or atomics: a worker
+adds to its own row and readers sum the column, so the global in-flight count of an
+instance is exact up to the reads in progress (no exchange, no staleness). The
+only cell with several writers is an ejection deadline, where any recent value is
+right. `time.monotonic()` is CLOCK_MONOTONIC, one clock for every process of the host.
+
+The daemon creates the file (and zeroes a dead worker's row before its slot is
+reused); workers open it by path. It lives as long as the run: live restore keeps
+it, so a restarted daemon and the workers that survived it read the same numbers.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+MAGIC = 0x7472746C6C6D6F31  # "trtllmo1"
+LAYOUT_VERSION = 1
+MAX_WORKERS = 64
+MAX_INSTANCES = 256
+
+_HEADER = struct.Struct("=QIII")
+_HEADER_SIZE = 64
+_WORKER_FIELDS = 4  # pid, connections, held, (spare)
+_INFLIGHT_OFF = _HEADER_SIZE
+_WORKER_OFF = _INFLIGHT_OFF + 4 * MAX_WORKERS * MAX_INSTANCES
+_HEARTBEAT_OFF = _WORKER_OFF + 4 * MAX_WORKERS * _WORKER_FIELDS
+_REQUESTS_OFF = _HEARTBEAT_OFF + 8 * MAX_WORKERS
+_EJECTED_OFF = _REQUESTS_OFF + 8 * MAX_WORKERS
+SIZE = _EJECTED_OFF + 8 * MAX_INSTANCES
+
+
+class TableError(Exception):
+    pass
+
+
+def instance_index(instance_id: str) -> int:
+    """Instance ids are their plan position ("0", "1", ...): the column in every row."""
+    i = int(instance_id)
+    if not 0 <= i < MAX_INSTANCES:
+        raise TableError(f"instance id {instance_id!r}: the shared table holds ids 0..{MAX_INSTANCES - 1}")
+    return i
+
+
+class SharedTable:
+    def __init__(self, path: Path, mm: mmap.mmap) -> None:
+        self.path = path
+        self._mm = mm
+        self._i32 = memoryview(mm).cast("i")
+        self._f64 = memoryview(mm).cast("d")
+        self._i64 = memoryview(mm).cast("q")
+
+    # --- open / create ------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path) -> "SharedTable":
+        """A zeroed table (the daemon, at `up`). Owner-only: it says who serves what."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, SIZE)
+            mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES)
+        return cls(path, mm)
+
+    @classmethod
+    def open(cls, path: Path) -> "SharedTable":
+        """The table of a running data plane (a worker, or a daemon adopting one)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TableError(f"{path}: cannot open the data-plane table: {exc.strerror}") from None
+        try:
+            if os.fstat(fd).st_size != SIZE:
+                raise TableError(f"{path}: size {os.fstat(fd).st_size}, expected {SIZE} (another version?)")
+            mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        magic, version, workers, instances = _HEADER.unpack_from(mm, 0)
+        if (magic, version, workers, instances) != (MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES):
+            mm.close()
+            raise TableError(f"{path}: not a data-plane table of this layout (version {version})")
+        return cls(path, mm)
+
+    def close(self) -> None:
+        for view in (self._i32, self._f64, self._i64):
+            view.release()
+        self._mm.close()
+
+    # --- in flight ------------------------------------------------------------------
+    @staticmethod
+    def _cell(worker: int, instance: int) -> int:
+        return (_INFLIGHT_OFF >> 2) + worker * MAX_INSTANCES + instance
+
+    def add_inflight(self, worker: int, instance: int, delta: int) -> None:
+        cell = self._cell(worker, instance)
+        self._i32[cell] += delta
+
+    def inflight(self, instance: int) -> int:
+        """Requests in flight at `instance` from every worker."""
+        i32 = self._i32
+        start = self._cell(0, instance)
+        return sum(i32[start:start + MAX_WORKERS * MAX_INSTANCES:MAX_INSTANCES])
+
+    def worker_inflight(self, worker: int) -> int:
+        start = self._cell(worker, 0)
+        return sum(self._i32[start:start + MAX_INSTANCES])
+
+    def clear_worker(self, worker: int) -> None:
+        """A worker died: what it had in flight died with its connections."""
+        start = self._cell(worker, 0)
+        self._i32[start:start + MAX_INSTANCES] = memoryview(bytes(4 * MAX_INSTANCES)).cast("i")
+        base = (_WORKER_OFF >> 2) + worker * _WORKER_FIELDS
+        for k in range(_WORKER_FIELDS):
+            self._i32[base + k] = 0
+        self._f64[(_HEARTBEAT_OFF >> 3) + worker] = 0.0
+
+    # --- per worker ------------------------------------------------------------------
+    def _wcell(self, worker: int, field: int) -> int:
+        return (_WORKER_OFF >> 2) + worker * _WORKER_FIELDS + field
+
+    def set_pid(self, worker: int, pid: int) -> None:
+        self._i32[self._wcell(worker, 0)] = pid
+
+    def pid(self, worker: int) -> int:
+        return self._i32[self._wcell(worker, 0)]
+
+    def add_connections(self, worker: int, delta: int) -> None:
+        self._i32[self._wcell(worker, 1)] += delta
+
+    def connections(self, worker: int) -> int:
+        return self._i32[self._wcell(worker, 1)]
+
+    def set_held(self, worker: int, held: int) -> None:
+        self._i32[self._wcell(worker, 2)] = held
+
+    def held(self, worker: int) -> int:
+        return self._i32[self._wcell(worker, 2)]
+
+    def beat(self, worker: int, now: float) -> None:
+        self._f64[(_HEARTBEAT_OFF >> 3) + worker] = now
+
+    def heartbeat(self, worker: int) -> float:
+        return self._f64[(_HEARTBEAT_OFF >> 3) + worker]
+
+    def add_requests(self, worker: int, n: int = 1) -> None:
+        self._i64[(_REQUESTS_OFF >> 3) + worker] += n
+
+    def requests(self, worker: int) -> int:
+        return self._i64[(_REQUESTS_OFF >> 3) + worker]
+
+    # --- ejections ---------------------------------------------------------------------
+    def eject(self, instance: int, until: float) -> None:
+        self._f64[(_EJECTED_OFF >> 3) + instance] = until
+
+    def ejected_until(self, instance: int) -> float:
+        return self._f64[(_EJECTED_OFF >> 3) + instance]
+
+
+class GlobalInflight(Mapping[str, int]):
+    """instance_id -> requests in flight there from every worker: what routing reads.
+
+    A Mapping over the table, so the policies (routing/) take it as they take a dict.
+    Iterates only the instances this worker routes to (`ids`, kept by the worker).
+    """
+
+    def __init__(self, table: SharedTable, ids: tuple[str, ...] = ()) -> None:
+        self._table = table
+        self.ids = ids
+
+    def __getitem__(self, instance_id: str) -> int:
+        return self._table.inflight(instance_index(instance_id))
+
+    def get(self, instance_id: str, default: int = 0) -> int:  # type: ignore[override]
+        try:
+            return self._table.inflight(instance_index(instance_id))
+        except (ValueError, TableError):
+            return default
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class WorkerCounts:
+    """One worker's own in-flight row: what `Balancer.acquire/release` write."""
+
+    def __init__(self, table: SharedTable, worker: int) -> None:
+        self._table = table
+        self._worker = worker
+
+    def acquire(self, instance_id: str) -> None:
+        self._table.add_inflight(self._worker, instance_index(instance_id), 1)
+
+    def release(self, instance_id: str) -> None:
+        self._table.add_inflight(self._worker, instance_index(instance_id), -1)

@@ -1,0 +1,243 @@
+"""A data-plane worker: one process of the public endpoint.
+
+    python -m orchestrator.dataplane.worker --state-dir DIR --slot K --settings FILE
+        [--listen-fd N] [--metrics-fd N]
+
+Started by the daemon's worker pool (controlplane/workers.py), never by hand. It
+runs the same proxies the daemon used to run in its own process (HTTP with the
+OpenAI API, gRPC, the data plane's /metrics) on listening sockets it inherits:
+one socket per public address, shared by every worker, so a worker that dies or
+is replaced never closes the port (the kernel's accept queue outlives any one
+worker). gRPC is the exception: grpcio binds its own socket, so each worker binds
+the gRPC port with SO_REUSEPORT.
+
+What it owns: its client connections, its upstream connection pool, its row of
+the shared table (in flight per instance, connections, held, requests, a
+heartbeat), its Prometheus files. What it does not: membership (the daemon
+publishes it over the feed), restarts of anything, other workers.
+
+It lives in its own session, so the daemon can die, restart or be upgraded while
+it goes on serving the last membership it had (live restore); it reconnects to
+whichever daemon comes next. SIGTERM or a `drain` message: stop accepting, finish
+what is in flight up to the grace, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator import __version__
+from orchestrator.config import Settings, settings_from_json
+from orchestrator.dataplane.feed import FeedClient
+from orchestrator.dataplane.membership import WorkerMembership
+from orchestrator.dataplane.shared_table import GlobalInflight, SharedTable, WorkerCounts
+from orchestrator.routing.backends import ReadyBackends
+
+HEARTBEAT_S = 0.25
+STATS_S = 1.0
+FIRST_MEMBERS_WAIT_S = 2.0
+
+
+def dataplane_dir(state_dir: Path) -> Path:
+    return state_dir / "dataplane"
+
+
+def feed_path(state_dir: Path) -> Path:
+    return dataplane_dir(state_dir) / "feed.sock"
+
+
+def table_path(state_dir: Path) -> Path:
+    return dataplane_dir(state_dir) / "table"
+
+
+class Worker:
+    def __init__(self, state_dir: Path, slot: int, settings: Settings,
+                 sockets: dict[str, socket.socket], log: logging.Logger) -> None:
+        self.state_dir = state_dir
+        self.slot = slot
+        self.settings = settings
+        self._sockets = sockets
+        self._log = log
+        self._stop = asyncio.Event()
+        self._grace_s = 5.0
+        self._got_members = asyncio.Event()
+        self.started = time.time()
+
+    async def run(self) -> int:
+        from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        table = SharedTable.open(table_path(self.state_dir))
+        table.clear_worker(self.slot)
+        table.set_pid(self.slot, os.getpid())
+        self.table = table
+        backends = ReadyBackends()
+        self.feed = FeedClient(feed_path(self.state_dir), self._hello, self._on_message,
+                               self._on_connection, self._log)
+        self.membership = WorkerMembership(backends, table, self.feed.send, self.settings.outlier_failures)
+        metrics = ProxyMetrics()
+        metrics.extra_collectors.append(WorkerCollector(table))
+        self.metrics = metrics
+        self.proxies = self._make_proxies(backends, metrics, table)
+        # Owned here, cancelled below.
+        tasks = [loop.create_task(self.feed.run(), name="feed"),
+                 loop.create_task(self._heartbeat(), name="heartbeat")]
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):  # no daemon yet: serve what comes
+                await asyncio.wait_for(self._got_members.wait(), FIRST_MEMBERS_WAIT_S)
+            for proxy in self.proxies:
+                await proxy.start()
+            self.feed.send({"t": "listening"})
+            self._log.info("data-plane worker %d pid=%d serving (%s)", self.slot, os.getpid(),
+                           ", ".join(type(p).__name__ for p in self.proxies))
+            await self._stop.wait()
+            self._log.info("data-plane worker %d draining (grace %.1fs)", self.slot, self._grace_s)
+            for proxy in self.proxies:
+                with contextlib.suppress(Exception):
+                    await proxy.stop(self._grace_s)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            table.clear_worker(self.slot)
+        return 0
+
+    def _make_proxies(self, backends: ReadyBackends, metrics: Any, table: SharedTable) -> list[Any]:
+        from orchestrator.dataplane.embedded import EmbeddedProxy
+        slot = self.slot
+        s = self.settings
+        proxies: list[Any] = [EmbeddedProxy(
+            s, backends, self._log, metrics, shared=(GlobalInflight(table), WorkerCounts(table, slot)),
+            sockets=self._sockets, tally=lambda: table.add_requests(slot))]
+        if s.grpc_listen:
+            from orchestrator.dataplane.grpc_proxy import GrpcProxy
+            proxies.append(GrpcProxy(s, backends, self._log, metrics,
+                                     shared=(GlobalInflight(table), WorkerCounts(table, slot)), reuseport=True))
+        return proxies
+
+    # --- the feed ------------------------------------------------------------------------
+    def _hello(self) -> dict[str, Any]:
+        return {"t": "hello", "slot": self.slot, "pid": os.getpid(), "version": __version__,
+                "started": self.started}
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        if kind == "members":
+            self.membership.on_members(msg["backends"])
+            self._got_members.set()
+        elif kind == "engine":
+            self.membership.on_engine(str(msg["iid"]), msg["snap"])
+        elif kind == "settings":
+            self._apply(settings_from_json(msg["settings"]))
+        elif kind == "drain":
+            self._grace_s = float(msg.get("grace_s", self._grace_s))
+            self._stop.set()
+
+    def _on_connection(self, up: bool) -> None:
+        self.membership.set_connected(up)
+        if not up:
+            self._log.warning("data-plane worker %d: the daemon is gone; serving the last membership "
+                              "(%d instance(s)) with passive health", self.slot,
+                              len(self.membership.backends.current()))
+        self.membership.refresh()
+
+    def _apply(self, settings: Settings) -> None:
+        self.settings = settings
+        self.membership.threshold = settings.outlier_failures
+        for proxy in self.proxies:
+            proxy.apply_settings(settings)
+
+    async def _heartbeat(self) -> None:
+        last_stats = 0.0
+        while True:
+            now = time.monotonic()
+            self.table.beat(self.slot, now)
+            self.table.set_held(self.slot, self.metrics.held_now())
+            if not self.membership.daemon_connected:
+                self.membership.refresh()  # ejections of other workers, and their expiry
+            if now - last_stats >= STATS_S:
+                last_stats = now
+                self.feed.send({"t": "stats", "llm": self.metrics.recent.summary(now),
+                                "connections": self._connections()})
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _connections(self) -> int:
+        http = self.proxies[0]
+        return sum(getattr(server, "open_connections", 0) for server in getattr(http, "_servers", ()))
+
+
+class WorkerCollector:
+    """The workers' rows of the shared table, per worker: any worker's scrape shows all."""
+
+    def __init__(self, table: SharedTable) -> None:
+        self._table = table
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from orchestrator.dataplane.shared_table import MAX_WORKERS
+        t = self._table
+        now = time.monotonic()
+        live = GaugeMetricFamily("trtllm_orch_dataplane_workers", "Data-plane workers alive (heartbeat < 2 s)")
+        inflight = GaugeMetricFamily("trtllm_orch_dataplane_worker_inflight_requests",
+                                     "Requests in flight per data-plane worker", labels=("worker",))
+        held = GaugeMetricFamily("trtllm_orch_dataplane_worker_held_requests",
+                                 "Requests held (no instance ready) per data-plane worker", labels=("worker",))
+        requests = CounterMetricFamily("trtllm_orch_dataplane_worker_requests",
+                                       "Requests answered per data-plane worker (since its slot was last "
+                                       "filled)", labels=("worker",))
+        n = 0
+        for w in range(MAX_WORKERS):
+            beat = t.heartbeat(w)
+            if not beat or now - beat > 2.0:
+                continue
+            n += 1
+            label = (str(w),)
+            inflight.add_metric(label, t.worker_inflight(w))
+            held.add_metric(label, t.held(w))
+            requests.add_metric(label, t.requests(w))
+        live.add_metric((), n)
+        return [live, inflight, held, requests]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="trtllm-orch-worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--state-dir", required=True, type=Path)
+    p.add_argument("--slot", required=True, type=int)
+    p.add_argument("--settings", required=True, type=Path)
+    p.add_argument("--listen-fd", type=int, default=-1)
+    p.add_argument("--metrics-fd", type=int, default=-1)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
+    log = logging.getLogger("trtllm-orch.worker")
+    settings = settings_from_json(json.loads(args.settings.read_text()))
+    logging.getLogger().setLevel(settings.log_level.upper())
+    sockets = {}
+    for name, fd in (("listen", args.listen_fd), ("metrics_listen", args.metrics_fd)):
+        if fd >= 0:
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            sockets[name] = sock
+    from orchestrator.dataplane.embedded import install_uvloop_if_available
+    install_uvloop_if_available()
+    worker = Worker(args.state_dir, args.slot, settings, sockets, log)
+    return asyncio.run(worker.run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
