@@ -234,8 +234,9 @@ def _check_listen_ports(settings: cfg.Settings, plan, sd, instances: bool = True
         value = getattr(settings, name)
         if value:
             host, port = cfg.parse_host_port(value, cfg.flag(name))
-            if port and taken_ports(host, (port,)):
-                raise UsageError(cfg.flag(name), value, "address in use: " + ", ".join(taken_ports(host, (port,))))
+            busy = taken_ports(host, (port,), ours) if port else []
+            if busy:  # a predecessor's data-plane workers hold it: theirs to hand over, not strangers
+                raise UsageError(cfg.flag(name), value, "address in use: " + ", ".join(busy))
 
 
 def setup_logging(level: str) -> None:

@@ -248,8 +248,8 @@ class Settings:
     def worker_count(self, cpus: int | None = None) -> int:
         """--proxy-workers as a number. auto: a quarter of the CPUs, 1 to 16. One worker relays
         ~100k+ streamed tokens/s; the ranks (one busy core each), their Python-backend stubs and
-        tokenizers need the rest of the host (a frontend that took every core starved a GPU
-        worker to 50-80% in Dynamo PR #13849)."""
+        tokenizers and the OS need the rest of the host: a data plane on every core would
+        take CPU from the ranks that keep the GPUs fed."""
         if self.proxy_workers != "auto":
             return int(self.proxy_workers)
         cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))

@@ -35,11 +35,7 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     if settings.proxy == "nginx":
         from orchestrator.nginx.proxy import NginxProxy
         return [NginxProxy(settings, backends, state_dir, logger, planned=planned, on_change=on_change)]
-    from orchestrator.dataplane.embedded import EmbeddedProxy
-    from orchestrator.dataplane.metrics import ProxyMetrics
-    metrics = ProxyMetrics()  # one registry: the HTTP proxy's listener serves the gRPC proxy's too
-    proxies: list[Any] = [EmbeddedProxy(settings, backends, logger, metrics=metrics)]
-    if settings.grpc_listen:
-        from orchestrator.dataplane.grpc_proxy import GrpcProxy
-        proxies.append(GrpcProxy(settings, backends, logger, metrics=metrics))
-    return proxies
+    # The embedded proxy runs in worker processes beside the daemon (the data plane):
+    # the daemon's own crash, GC pause or upgrade touches no client connection.
+    from orchestrator.controlplane.workers import WorkerPool
+    return [WorkerPool(settings, backends, state_dir, logger, on_change=on_change)]

@@ -51,6 +51,12 @@ def directives(text: str) -> list[str]:
 
 
 @pytest.mark.unit
+def test_nginx_runs_as_many_workers_as_proxy_workers(tmp_path: Path) -> None:
+    text = render_nginx_config(settings(proxy_workers="6"), TWO, tmp_path)
+    assert "worker_processes 6;" in directives(text)
+
+
+@pytest.mark.unit
 def test_templates_dir_is_the_repo_configs() -> None:
     assert configs_dir() == Path(__file__).resolve().parent.parent / "configs"
 
@@ -63,7 +69,7 @@ def test_full_config_keeps_everything_in_prefix(tmp_path: Path) -> None:
     assert any(ln.startswith(f"error_log {tmp_path}/error.log") for ln in lines)
     for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         assert f"{kind}_temp_path {tmp_path}/temp/{kind};" in lines
-    assert "worker_processes auto;" in lines
+    assert f"worker_processes {settings().worker_count()};" in lines  # as many as the embedded data plane
     assert "access_log off;" in lines
     # `daemon off;` comes from -g; a second one in the file would be a duplicate.
     assert not any(ln.startswith("daemon") for ln in lines)

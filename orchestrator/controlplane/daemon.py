@@ -295,14 +295,16 @@ class Daemon:
         }
 
     def _llm_status(self) -> tuple[dict[str, dict[str, Any]], int]:
-        """The proxies' last minute per instance (TTFT, tokens/s) and their held requests."""
-        # The embedded HTTP and gRPC proxies share one ProxyMetrics: count it once.
-        metrics = {id(m): m for m in (getattr(p, "metrics", None) for p in self.proxies) if m is not None}
+        """The data plane's last minute per instance (TTFT, tokens/s) and its held requests."""
         llm: dict[str, dict[str, Any]] = {}
         held = 0
-        for m in metrics.values():
-            held += m.held_now()
-            llm.update(m.recent.summary())
+        for proxy in self.proxies:
+            if hasattr(proxy, "llm_summary"):  # the worker pool: every worker's, merged
+                llm.update(proxy.llm_summary())
+                held += proxy.held_now()
+            elif getattr(proxy, "metrics", None) is not None:  # in-process: NGINX mode's OpenAI listener
+                llm.update(proxy.metrics.recent.summary())
+                held += proxy.metrics.held_now()
         return llm, held
 
     async def _gpu_status(self) -> dict[int, dict[str, Any]]:

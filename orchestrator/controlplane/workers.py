@@ -11,7 +11,7 @@ every shrink at reload would refuse a few clients under load; a shared socket
 never closes while the run lives. Workers run with libuv's single-accept mode, so
 an idle worker is not outraced to a burst of connections by a busy one.
 
-It owns: the sockets, the shared table (created zeroed at start), the feed server,
+It owns: the sockets, the shared table and prefix index (created zeroed at start), the feed server,
 one supervising task per slot, the worker processes. It publishes to the workers,
 over the feed, what the daemon owns: membership (on every change), each ready
 instance's engine snapshots (as scraped), the settings (at reload). It takes from
@@ -42,8 +42,9 @@ from typing import Any
 
 from orchestrator.config import Settings, parse_host_port, settings_to_json
 from orchestrator.dataplane.feed import FeedServer
+from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_table import SharedTable, instance_index
-from orchestrator.dataplane.worker import dataplane_dir, feed_path, table_path
+from orchestrator.dataplane.worker import dataplane_dir, feed_path, prefix_path, table_path
 from orchestrator.errors import OrchError
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
@@ -112,6 +113,7 @@ class WorkerPool:
         shutil.rmtree(self._prom_dir, ignore_errors=True)  # counters of a previous run
         self._prom_dir.mkdir(mode=0o700)
         self._table = SharedTable.create(table_path(self._state_dir))
+        SharedPrefixIndex.create(prefix_path(self._state_dir)).close()  # the workers map it
         try:
             self._sockets["listen"] = bind_listener(s.listen, "--listen")
             if s.metrics_listen:

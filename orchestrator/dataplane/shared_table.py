@@ -174,7 +174,7 @@ class GlobalInflight(Mapping[str, int]):
     """instance_id -> requests in flight there from every worker: what routing reads.
 
     A Mapping over the table, so the policies (routing/) take it as they take a dict.
-    Iterates only the instances this worker routes to (`ids`, kept by the worker).
+    Iterates `ids` (empty unless set): the policies only look instances up by id.
     """
 
     def __init__(self, table: SharedTable, ids: tuple[str, ...] = ()) -> None:

@@ -41,8 +41,10 @@ from orchestrator import __version__
 from orchestrator.config import Settings, settings_from_json
 from orchestrator.dataplane.feed import FeedClient
 from orchestrator.dataplane.membership import WorkerMembership
+from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_table import GlobalInflight, SharedTable, WorkerCounts
 from orchestrator.routing.backends import ReadyBackends
+from orchestrator.routing.balancer import SharedRouting
 
 HEARTBEAT_S = 0.25
 STATS_S = 1.0
@@ -59,6 +61,10 @@ def feed_path(state_dir: Path) -> Path:
 
 def table_path(state_dir: Path) -> Path:
     return dataplane_dir(state_dir) / "table"
+
+
+def prefix_path(state_dir: Path) -> Path:
+    return dataplane_dir(state_dir) / "prefixes"
 
 
 class Worker:
@@ -83,6 +89,7 @@ class Worker:
         table.clear_worker(self.slot)
         table.set_pid(self.slot, os.getpid())
         self.table = table
+        self.prefixes = SharedPrefixIndex.open(prefix_path(self.state_dir))
         backends = ReadyBackends()
         self.feed = FeedClient(feed_path(self.state_dir), self._hello, self._on_message,
                                self._on_connection, self._log)
@@ -118,13 +125,14 @@ class Worker:
         from orchestrator.dataplane.embedded import EmbeddedProxy
         slot = self.slot
         s = self.settings
-        proxies: list[Any] = [EmbeddedProxy(
-            s, backends, self._log, metrics, shared=(GlobalInflight(table), WorkerCounts(table, slot)),
-            sockets=self._sockets, tally=lambda: table.add_requests(slot))]
+        # Every worker routes on the same numbers: all workers' in-flight counts and one
+        # prefix index (HTTP and gRPC alike, so a prefix sent by either lands together).
+        shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes)
+        proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,
+                                            sockets=self._sockets, tally=lambda: table.add_requests(slot))]
         if s.grpc_listen:
             from orchestrator.dataplane.grpc_proxy import GrpcProxy
-            proxies.append(GrpcProxy(s, backends, self._log, metrics,
-                                     shared=(GlobalInflight(table), WorkerCounts(table, slot)), reuseport=True))
+            proxies.append(GrpcProxy(s, backends, self._log, metrics, shared=shared, reuseport=True))
         return proxies
 
     # --- the feed ------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         full=full,
         prefix=str(prefix_dir) if full else "",
         worker_user=worker_user if full else None,
-        worker_processes="auto",
+        worker_processes=settings.worker_count(),  # --proxy-workers: equal to the embedded data plane's
         worker_connections=4096,
         error_log_level="warn",
         listen=_addr(host, listen_port if listen_port is not None else port),

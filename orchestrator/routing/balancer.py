@@ -20,10 +20,11 @@ built by the proxy only for a policy that says `wants_prompt`. The engine-aware 
 
 from __future__ import annotations
 
+import inspect
 import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints
@@ -39,6 +40,15 @@ class SharedCounts(Protocol):
     def acquire(self, instance_id: str) -> None: ...
 
     def release(self, instance_id: str) -> None: ...
+
+
+class SharedRouting(NamedTuple):
+    """What every data-plane worker routes on alike (dataplane/shared_table.py, shared_prefix.py):
+    the in-flight counts of all workers, this worker's own row, and the prefix index."""
+
+    inflight: Mapping[str, int]
+    counts: SharedCounts
+    prefix_index: Any = None  # routing.prefix_index.PrefixIndex's methods; None: the policy's own
 
 
 class Policy(Protocol):
@@ -108,12 +118,12 @@ POLICIES: dict[str, Callable[[random.Random], Policy]] = {
 
 class Balancer:
     __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling",
-                 "_view", "_shared")
+                 "_view", "_shared", "_prefix_index")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  cooldown_s: float = DEFAULT_COOLDOWN_S,
-                 shared: "tuple[Mapping[str, int], SharedCounts] | None" = None) -> None:
+                 shared: "SharedRouting | tuple[Mapping[str, int], SharedCounts] | None" = None) -> None:
         # This process's own requests in flight (its `status` share), and what the policies
         # route on: the same dict in one process, or with several data-plane workers the
         # count over all of them (`shared`: a view of the shared table and this worker's
@@ -121,6 +131,7 @@ class Balancer:
         self.inflight: dict[str, int] = {}
         self._view: Mapping[str, int] = shared[0] if shared is not None else self.inflight
         self._shared: SharedCounts | None = shared[1] if shared is not None else None
+        self._prefix_index = shared[2] if shared is not None and len(shared) > 2 else None
         self._rng = rng or random.Random()
         self._clock = clock
         self._cooldown_s = cooldown_s
@@ -132,7 +143,11 @@ class Balancer:
         if policy not in POLICIES:
             raise ValueError(f"lb_policy={policy!r}: must be one of {', '.join(POLICIES)}")
         self.policy = policy
-        self._policy = POLICIES[policy](self._rng)
+        cls = POLICIES[policy]
+        extra = {}
+        if self._prefix_index is not None and "index" in inspect.signature(cls).parameters:
+            extra["index"] = self._prefix_index  # one index for every worker: they route a prefix alike
+        self._policy = cls(self._rng, **extra)
         self._choose = self._policy.choose
 
     @property

@@ -1,0 +1,279 @@
+"""What data-plane workers share: the in-flight table, the prefix index, the feed, membership.
+
+Two objects opened on the same file stand for two worker processes (the mmap is the
+same pages either way); the process-level proof is tests/test_e2e_workers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from orchestrator.config import Settings, settings_from_json, settings_to_json
+from orchestrator.dataplane.feed import FeedClient, FeedServer
+from orchestrator.dataplane.membership import AWAY_EJECT_S, WorkerMembership
+from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
+from orchestrator.dataplane.shared_table import (GlobalInflight, SharedTable, TableError, WorkerCounts,
+                                                 instance_index)
+from orchestrator.errors import UsageError
+from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.routing.balancer import Balancer, SharedRouting
+from orchestrator.routing.llm_policies import RouteHints
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def backends(n: int) -> tuple[Backend, ...]:
+    return tuple(Backend(str(i), "127.0.0.1", 9000 + i, 9100 + i, 9200 + i) for i in range(n))
+
+
+# --- the in-flight table -----------------------------------------------------------------
+def test_inflight_is_the_sum_of_every_workers_row(tmp_path):
+    a = SharedTable.create(tmp_path / "t")
+    b = SharedTable.open(tmp_path / "t")
+    WorkerCounts(a, 0).acquire("3")
+    WorkerCounts(b, 5).acquire("3")
+    WorkerCounts(b, 5).acquire("1")
+    assert GlobalInflight(a)["3"] == 2 and GlobalInflight(b).get("1") == 1
+    assert a.worker_inflight(5) == 2
+    a.clear_worker(5)  # worker 5 died: its requests died with its connections
+    assert GlobalInflight(b)["3"] == 1 and GlobalInflight(b).get("1") == 0
+
+
+def test_table_of_another_layout_is_refused(tmp_path):
+    (tmp_path / "t").write_bytes(b"x" * 100)
+    with pytest.raises(TableError, match="size 100"):
+        SharedTable.open(tmp_path / "t")
+    with pytest.raises(TableError, match="cannot open"):
+        SharedTable.open(tmp_path / "missing")
+
+
+def test_instance_index_bounds():
+    assert instance_index("0") == 0 and instance_index("255") == 255
+    with pytest.raises(TableError, match="'256'"):
+        instance_index("256")
+
+
+def test_balancers_of_two_workers_route_on_the_global_count(tmp_path):
+    table = SharedTable.create(tmp_path / "t")
+    bs = backends(2)
+    w0 = Balancer("least-outstanding", shared=SharedRouting(GlobalInflight(table), WorkerCounts(table, 0)))
+    w1 = Balancer("least-outstanding", shared=SharedRouting(GlobalInflight(table), WorkerCounts(table, 1)))
+    first = w0.pick(bs)
+    w0.acquire(first.instance_id)
+    # worker 1 has nothing in flight itself, but sees worker 0's request: the other instance
+    for _ in range(20):
+        assert w1.pick(bs).instance_id != first.instance_id
+    w0.release(first.instance_id)
+    assert GlobalInflight(table).get(first.instance_id) == 0
+    assert w0.snapshot() == {}  # its own share, for status
+
+
+# --- the prefix index ----------------------------------------------------------------------
+def keys(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode().ljust(16, b".")[:16] for i in range(n)]
+
+
+def test_prefix_recorded_by_one_worker_matches_in_another(tmp_path):
+    clock = Clock()
+    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock)
+    b = SharedPrefixIndex.open(tmp_path / "p", clock=clock)
+    a.record(keys("x", 5), "2")
+    b.record(keys("x", 3), "7")
+    assert b.match(keys("x", 5)) == (5, {"2": 5, "7": 3})
+    assert a.match(keys("y", 4)) == (4, {})
+    b.forget_instance("2")  # it restarted: its cache is gone for every worker
+    clock.t += 0.001
+    assert a.match(keys("x", 5)) == (5, {"7": 3})
+    a.record(keys("x", 2), "2")  # routed there again after the restart
+    assert b.match(keys("x", 5))[1] == {"2": 2, "7": 3}
+
+
+def test_prefix_entries_age_out(tmp_path):
+    clock = Clock()
+    idx = SharedPrefixIndex.create(tmp_path / "p", slots=64, ttl_s=10.0, clock=clock)
+    idx.record(keys("x", 2), "0")
+    clock.t += 11
+    assert idx.match(keys("x", 2)) == (2, {})
+
+
+def test_prefix_index_is_bounded_and_keeps_recent_keys(tmp_path):
+    clock = Clock()
+    idx = SharedPrefixIndex.create(tmp_path / "p", slots=64, clock=clock)
+    for i in range(500):
+        clock.t += 1
+        idx.record(keys(f"k{i}", 1), "1")
+    assert len(idx) <= 64
+    assert idx.match(keys("k499", 1))[1] == {"1": 1}  # the newest survives eviction
+
+
+def test_prefix_key_keeps_the_holders_used_last(tmp_path):
+    clock = Clock()
+    idx = SharedPrefixIndex.create(tmp_path / "p", slots=64, clock=clock)
+    for iid in ("0", "1", "2", "3", "4", "5"):
+        clock.t += 1
+        idx.record(keys("s", 1), iid)
+    assert set(idx.match(keys("s", 1))[1]) == {"2", "3", "4", "5"}
+
+
+def test_prefix_affinity_of_two_workers_agrees(tmp_path):
+    table = SharedTable.create(tmp_path / "t")
+    index_a = SharedPrefixIndex.create(tmp_path / "p", slots=1024)
+    index_b = SharedPrefixIndex.open(tmp_path / "p")
+    bs = backends(4)
+    w0 = Balancer("prefix-affinity", rng=random.Random(1),
+                  shared=SharedRouting(GlobalInflight(table), WorkerCounts(table, 0), index_a))
+    w1 = Balancer("prefix-affinity", rng=random.Random(2),
+                  shared=SharedRouting(GlobalInflight(table), WorkerCounts(table, 1), index_b))
+    for tenant in range(8):
+        hints = RouteHints.from_prompt(f"tenant {tenant} system prompt " * 40 + "question")
+        first = w0.pick(bs, hints=hints)
+        assert w1.pick(bs, hints=hints).instance_id == first.instance_id
+        assert w1.last_reason == "prefix"
+
+
+def test_prefix_index_of_another_layout_is_refused(tmp_path):
+    (tmp_path / "p").write_bytes(bytes(4096))
+    with pytest.raises(TableError, match="not a shared prefix index"):
+        SharedPrefixIndex.open(tmp_path / "p")
+
+
+# --- membership in a worker -------------------------------------------------------------------
+def member_list(n: int) -> list[dict]:
+    return [{"id": str(i), "host": "127.0.0.1", "http": 9000 + i, "grpc": 9100 + i, "metrics": 9200 + i}
+            for i in range(n)]
+
+
+def test_failures_go_to_the_daemon_while_it_is_there(tmp_path):
+    table = SharedTable.create(tmp_path / "t")
+    sent = []
+    m = WorkerMembership(ReadyBackends(), table, sent.append, threshold=2)
+    m.set_connected(True)
+    m.on_members(member_list(2))
+    b = m.backends.current()[0]
+    b.health.failure("refused")
+    b.health.failure("refused")
+    b.health.success()
+    b.health.success()  # a success after a success is not news
+    assert sent == [{"t": "health", "iid": "0", "ok": False, "reason": "refused"}] * 2 + \
+        [{"t": "health", "iid": "0", "ok": True, "reason": ""}]
+    assert len(m.backends.current()) == 2  # the daemon decides ejections
+
+
+def test_while_the_daemon_is_away_one_worker_ejects_for_all(tmp_path):
+    clock = Clock()
+    table = SharedTable.create(tmp_path / "t")
+    w0 = WorkerMembership(ReadyBackends(), table, lambda msg: None, threshold=3, clock=clock)
+    w1 = WorkerMembership(ReadyBackends(), SharedTable.open(tmp_path / "t"), lambda msg: None, threshold=3,
+                          clock=clock)
+    for m in (w0, w1):
+        m.set_connected(True)
+        m.on_members(member_list(3))
+        m.set_connected(False)  # the daemon was killed
+        m.refresh()
+    dead = w0.backends.current()[1]
+    for _ in range(3):
+        dead.health.failure("connection refused")
+    assert [b.instance_id for b in w0.backends.current()] == ["0", "2"]
+    w1.refresh()  # its heartbeat tick
+    assert [b.instance_id for b in w1.backends.current()] == ["0", "2"]
+    clock.t += AWAY_EJECT_S + 0.1  # tried again after the ejection (passive re-admission)
+    w1.refresh()
+    assert [b.instance_id for b in w1.backends.current()] == ["0", "1", "2"]
+
+
+def test_daemon_back_publishes_the_truth(tmp_path):
+    clock = Clock()
+    table = SharedTable.create(tmp_path / "t")
+    m = WorkerMembership(ReadyBackends(), table, lambda msg: None, threshold=1, clock=clock)
+    m.on_members(member_list(2))
+    m.refresh()
+    m.backends.current()[0].health.failure("refused")
+    assert [b.instance_id for b in m.backends.current()] == ["1"]
+    m.set_connected(True)
+    m.on_members(member_list(2))  # the new daemon's first message: its health checks decide
+    assert [b.instance_id for b in m.backends.current()] == ["0", "1"]
+
+
+def test_an_instance_that_leaves_loses_its_engine_view(tmp_path):
+    m = WorkerMembership(ReadyBackends(), SharedTable.create(tmp_path / "t"), lambda msg: None, threshold=1)
+    m.set_connected(True)
+    m.on_members(member_list(2))
+    m.on_engine("1", {"at": 1.0, "active": 3, "max_active": 8, "waiting": 0, "kv_used": 10, "kv_max": 100})
+    view = m.backends.current()[1].engine
+    assert view.latest is not None
+    m.on_members(member_list(1))
+    assert view.latest is None
+
+
+# --- the feed ------------------------------------------------------------------------------------
+async def test_feed_catch_up_broadcast_reports_and_reconnect(tmp_path):
+    path = tmp_path / "feed.sock"
+    got_by_daemon: list[tuple[int, dict]] = []
+    server = FeedServer(path, on_connect=lambda slot, hello: [{"t": "members", "n": 1}],
+                        on_message=lambda slot, msg: got_by_daemon.append((slot, msg)))
+    await server.start()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    got: list[dict] = []
+    states: list[bool] = []
+    client = FeedClient(path, lambda: {"t": "hello", "slot": 3}, got.append, states.append)
+    task = asyncio.create_task(client.run())
+    try:
+        await wait_until(lambda: got)
+        assert got == [{"t": "members", "n": 1}] and server.connected() == {3}
+        server.broadcast({"t": "members", "n": 2})
+        assert server.send(3, {"t": "drain"}) and not server.send(4, {"t": "drain"})
+        client.send({"t": "health", "iid": "0", "ok": False})
+        await wait_until(lambda: len(got) == 3 and got_by_daemon)
+        assert got[1:] == [{"t": "members", "n": 2}, {"t": "drain"}]
+        assert got_by_daemon == [(3, {"t": "health", "iid": "0", "ok": False})]
+        await server.stop()  # the daemon goes away: the worker notices and keeps trying
+        await wait_until(lambda: states == [True, False])
+        server2 = FeedServer(path, on_connect=lambda slot, hello: [{"t": "members", "n": 9}],
+                             on_message=lambda slot, msg: None)
+        await server2.start()
+        await wait_until(lambda: got[-1] == {"t": "members", "n": 9})
+        assert states == [True, False, True] and client.connects == 2
+        await server2.stop()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+# --- settings ------------------------------------------------------------------------------------
+def test_worker_count_auto_leaves_cores_to_the_engines():
+    s = Settings()
+    assert s.proxy_workers == "auto"
+    assert [s.worker_count(c) for c in (1, 2, 4, 16, 64, 128)] == [1, 1, 1, 4, 16, 16]
+    assert Settings(proxy_workers="12").worker_count(2) == 12
+
+
+@pytest.mark.parametrize("value", ["0", "65", "many", "-1"])
+def test_bad_worker_count_is_one_line_naming_the_field(value):
+    with pytest.raises(UsageError) as err:
+        Settings(proxy_workers=value)
+    assert "--proxy-workers" in str(err.value) and value in str(err.value)
+
+
+def test_settings_travel_to_workers_whole():
+    s = Settings(proxy_workers="3", lb_policy="round-robin", trusted_proxy=("10.0.0.0/8",))
+    assert settings_from_json(settings_to_json(s)) == s

@@ -1,0 +1,172 @@
+"""Issue 22 end to end: the endpoint is N data-plane worker processes (real tritonserver
+ranks under mpirun, the TRT-LLM twin), sharing one listening socket, one in-flight table
+and one prefix index."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.test_e2e_faults import Load, alive, post
+
+pytestmark = pytest.mark.e2e
+
+GEN = "/v2/models/ensemble/generate"
+
+
+def body(text: str, max_tokens: int = 2) -> bytes:
+    return json.dumps({"text_input": text, "max_tokens": max_tokens, "bad_words": "", "stop_words": ""}).encode()
+
+
+def served_by_instance(run) -> dict[str, float]:
+    """Requests answered per instance, from the data plane's /metrics: a scrape through any
+    worker adds up every worker's counts (the instances' own counters also see the canary)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("trtllm_orch_proxy_requests_total{"):
+            iid = line.split('instance="', 1)[1].split('"', 1)[0]
+            out[iid] = out.get(iid, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def workers(run) -> list[dict]:
+    return run.status()["proxies"][0]["workers"]
+
+
+def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2")).start()
+    status = run.status()
+    pool = status["proxies"][0]
+    assert pool["kind"] == "embedded" and pool["workers_alive"] == 2
+    pids = [w["pid"] for w in pool["workers"]]
+    daemon = status["daemon"]["pid"]
+    for pid in pids:
+        proc = psutil.Process(pid)
+        assert proc.ppid() == daemon and os.getsid(pid) == pid  # own session: outlives the daemon's group
+    listeners = {c.pid for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == run.listen_port}
+    assert listeners <= set(pids) | {daemon} and listeners & set(pids)  # the daemon serves no client
+    for i in range(10):
+        code, _ = post(run.url(GEN), body(f"w{i}"))
+        assert code == 200
+    assert sum(w["requests"] for w in workers(run)) >= 10
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert not [p for p in pids if psutil.pid_exists(p) and alive(psutil.Process(p))]
+
+
+def test_a_prefix_routed_by_one_worker_lands_on_the_same_instance_through_another(orch_run):
+    run = orch_run(gpus="0-3", tp=1, assume_gpus=4,
+                   extra=("--proxy-workers", "3", "--lb-policy", "prefix-affinity")).start()
+    tenants = [f"tenant {t} system prompt. " * 60 for t in range(4)]
+    per_worker_before = {w["slot"]: w["requests"] for w in workers(run)}
+    landed: dict[int, set[str]] = {t: set() for t in range(len(tenants))}
+    for round_ in range(12):
+        for t, prefix in enumerate(tenants):
+            before = served_by_instance(run)
+            code, _ = post(run.url(GEN), body(prefix + f" question {round_}"))  # a new connection each
+            assert code == 200
+            after = served_by_instance(run)
+            landed[t] |= {iid for iid in after if after[iid] > before.get(iid, 0)}
+    spread = {w["slot"]: w["requests"] - per_worker_before.get(w["slot"], 0) for w in workers(run)}
+    # The claim needs requests through more than one worker (the kernel spreads accepts).
+    assert sum(1 for n in spread.values() if n > 0) >= 2, spread
+    assert all(len(iids) == 1 for iids in landed.values()), landed
+    assert len(set().union(*landed.values())) >= 2  # and the tenants did not all pile on one
+
+
+class KeepAliveClient(threading.Thread):
+    """One persistent connection sending generates in a loop: it knows its own local port."""
+
+    def __init__(self, run) -> None:
+        super().__init__(daemon=True)
+        self.port = run.listen_port
+        self.ok = 0
+        self.failures: list[str] = []
+        self.ports: list[int] = []  # local port of each connection it used
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        conn = None
+        while not self.stop.is_set():
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+                    conn.connect()
+                    self.ports.append(conn.sock.getsockname()[1])
+                conn.request("POST", GEN, body("keep", 8), {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status == 200:
+                    self.ok += 1
+                else:
+                    self.failures.append(f"{resp.status} {data[:100]!r}")
+            except (OSError, http.client.HTTPException) as exc:
+                self.failures.append(repr(exc))
+                conn = None
+
+
+def test_kill_9_of_one_worker_fails_only_its_own_connections_and_it_is_replaced(orch_run):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2")).start()
+    clients = [KeepAliveClient(run) for _ in range(8)]
+    for c in clients:
+        c.start()
+    try:
+        deadline = time.monotonic() + 20
+        while min(c.ok for c in clients) < 3:
+            assert time.monotonic() < deadline, [c.failures for c in clients]
+            time.sleep(0.05)
+        pool = workers(run)
+        by_port = {}
+        for w in pool:
+            for conn in psutil.Process(w["pid"]).net_connections("tcp"):
+                if conn.status == psutil.CONN_ESTABLISHED and conn.laddr.port == run.listen_port:
+                    by_port[conn.raddr.port] = w["slot"]
+        victim = next(w for w in pool if any(by_port.get(c.ports[-1]) == w["slot"] for c in clients))
+        mine = [c for c in clients if by_port.get(c.ports[-1]) == victim["slot"]]
+        others = [c for c in clients if by_port.get(c.ports[-1]) not in (None, victim["slot"])]
+        assert mine and len(mine) + len(others) == len(clients), (by_port, [c.ports for c in clients])
+        os.kill(victim["pid"], signal.SIGKILL)
+        replaced = run.wait_for(lambda s: any(w["slot"] == victim["slot"] and w["alive"] and w["pid"] != victim["pid"]
+                                              for w in s["proxies"][0]["workers"]), timeout=20,
+                                what="the worker replaced")
+        assert replaced["proxies"][0]["workers_alive"] == 2
+        ok_at_kill = {id(c): c.ok for c in clients}
+        time.sleep(1.0)
+    finally:
+        for c in clients:
+            c.stop.set()
+        for c in clients:
+            c.join(40)
+    assert [c.failures for c in others] == [[] for _ in others]  # nothing on the other worker was touched
+    for c in mine:  # at most the request in flight on its connection, then it reconnects and goes on
+        assert len(c.failures) <= 1, c.failures
+        assert c.ok > ok_at_kill[id(c)]
+    assert [i["restarts"] for i in run.status()["instances"]] == [0, 0]
+
+
+def test_reload_of_the_worker_count_under_load_refuses_nothing(orch_run, tmp_path):
+    config = tmp_path / "orch.toml"
+    config.write_text('proxy-workers = "1"\n')
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--config", str(config))).start()
+    assert run.status()["proxies"][0]["workers_alive"] == 1
+    with Load(run, threads=4) as load:  # a new connection per request: a refusal would show
+        time.sleep(0.5)
+        for count in ("3", "1", "2"):
+            config.write_text(f'proxy-workers = "{count}"\n')
+            out = run.cli("reload", "--state-dir", str(run.state_dir))
+            assert out.returncode == 0, out.stderr
+            run.wait_for(lambda s, n=int(count): s["proxies"][0]["workers_alive"] == n
+                         and len(s["proxies"][0]["workers"]) == n, timeout=30, what=f"{count} workers")
+            time.sleep(0.5)
+    assert load.failures == [] and load.ok > 20
+    assert run.status()["proxies"][0]["workers_wanted"] == 2
