@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -56,8 +57,9 @@ def _lua(body: bytes, pace_ms: float) -> str:
 
 
 def run_wrk(url: str, body: bytes, *, connections: int, seconds: float, pace_ms: float = 0.0,
-            timeout_s: float = 10.0) -> dict[str, Any]:
-    """One wrk run (one thread: the proxies under test are single-threaded too)."""
+            timeout_s: float = 10.0, threads: int = 1, cpus: tuple[int, ...] = ()) -> dict[str, Any]:
+    """One wrk run: one thread by default (against one single-threaded proxy); `threads`
+    and `cpus` (the cores wrk may use) for the many-core data-plane bench."""
     wrk = wrk_path()
     if wrk is None:
         raise RuntimeError("wrk not found: apt-get install -y wrk")
@@ -65,9 +67,10 @@ def run_wrk(url: str, body: bytes, *, connections: int, seconds: float, pace_ms:
         f.write(_lua(body, pace_ms))
         script = f.name
     try:
-        out = subprocess.run([wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+        out = subprocess.run([wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(seconds))}s",
                               f"--timeout={timeout_s:g}s", "-s", script, url],
-                             capture_output=True, text=True, timeout=seconds + timeout_s + 30)
+                             capture_output=True, text=True, timeout=seconds + timeout_s + 30,
+                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     finally:
         Path(script).unlink(missing_ok=True)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith(_MARK)), None)

@@ -277,3 +277,12 @@ def test_bad_worker_count_is_one_line_naming_the_field(value):
 def test_settings_travel_to_workers_whole():
     s = Settings(proxy_workers="3", lb_policy="round-robin", trusted_proxy=("10.0.0.0/8",))
     assert settings_from_json(settings_to_json(s)) == s
+
+
+def test_traffic_reaches_the_daemon_once_per_stats_message(tmp_path):
+    m = WorkerMembership(ReadyBackends(), SharedTable.create(tmp_path / "t"), lambda msg: None, threshold=3)
+    m.set_connected(True)
+    m.on_members(member_list(3))
+    for _ in range(5):
+        m.backends.current()[2].health.success()
+    assert m.take_served() == ["2"] and m.take_served() == []

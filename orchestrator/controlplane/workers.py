@@ -318,6 +318,10 @@ class WorkerPool:
             slot = self._slots.get(slot_index)
             if slot is not None:
                 slot.stats = msg
+            served = set(msg.get("served") or ())
+            for backend in self._backends.current():
+                if backend.instance_id in served:
+                    backend.report_success()  # traffic: the canary need not run early
         elif kind == "listening":
             slot = self._slots.get(slot_index)
             if slot is not None:

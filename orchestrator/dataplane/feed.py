@@ -10,7 +10,9 @@ is, and from then on:
                        drain     stop accepting, finish what is in flight, exit
     worker -> daemon   hello     slot, pid, version, listening ports (first line)
                        health    a passive outcome: failure (each), ok (after a failure)
-                       stats     every second: the last minute per instance, counts
+                       stats     every second: the last minute per instance, counts, the
+                                 instances that answered (their canary waits)
+                       listening its proxies accept (the pool waits for it at start)
 
 Why a socket and not shared memory for these: they are events with an owner
 (the daemon is the only writer of membership; an instance's PassiveHealth decides

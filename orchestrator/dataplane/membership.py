@@ -30,18 +30,20 @@ AWAY_EJECT_S = 10.0
 class RemoteHealth:
     """What a proxy holds as `Backend.health` in a worker: reports go to the membership."""
 
-    __slots__ = ("_iid", "_membership", "_failed")
+    __slots__ = ("_iid", "_membership", "_failed", "served")
 
     def __init__(self, iid: str, membership: "WorkerMembership") -> None:
         self._iid = iid
         self._membership = membership
         self._failed = False  # the last report was a failure: the next success is news
+        self.served = False  # answered since the last stats message (the canary skips busy instances)
 
     def failure(self, reason: str) -> None:
         self._failed = True
         self._membership.report(self._iid, False, reason)
 
     def success(self) -> None:
+        self.served = True
         if self._failed:  # a success after a success changes nothing: not sent
             self._failed = False
             self._membership.report(self._iid, True, "")
@@ -103,6 +105,16 @@ class WorkerMembership:
             self._streaks.pop(iid, None)
             self._table.eject(instance_index(iid), self._clock() + AWAY_EJECT_S)
             self.refresh()
+
+    def take_served(self) -> list[str]:
+        """Instances that answered since the last call (sent with the worker's stats: the
+        daemon's canary runs early only on an idle instance, as in one process)."""
+        out = []
+        for iid, health in self._health.items():
+            if health.served:
+                health.served = False
+                out.append(iid)
+        return out
 
     # --- the set the proxies see ------------------------------------------------------------
     def refresh(self) -> None:

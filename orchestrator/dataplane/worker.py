@@ -178,7 +178,7 @@ class Worker:
             if now - last_stats >= STATS_S:
                 last_stats = now
                 self.feed.send({"t": "stats", "llm": self.metrics.recent.summary(now),
-                                "connections": self._connections()})
+                                "connections": self._connections(), "served": self.membership.take_served()})
             await asyncio.sleep(HEARTBEAT_S)
 
     def _connections(self) -> int:

@@ -1,0 +1,446 @@
+"""Data-plane scaling (issue 22): the endpoint's worker processes against NGINX, at equal
+worker counts, on a many-core machine.
+
+    python3 -m bench.dataplane_bench [--workers 1,2,4,8,12] [--seconds 8] [--out DIR]
+
+Backends: SOURCES copies of bench/sse_source.c (32 events per stream, Triton
+generate_stream shape, no gap: the engines are not the bottleneck). Targets, each fronting
+the same sources:
+  - embedded: the product's data plane, `controlplane.workers.WorkerPool` with W workers,
+    exactly as `trtllm-orch up --proxy-workers W` starts it (shared listening socket,
+    shared table and prefix index, the default routing policy), minus the daemon's
+    instances: the ready set is the sources;
+  - nginx: NGINX with W workers, the anchor's config (../shared/notes/dataplane-anchor.md:
+    least_conn, upstream keep-alive, proxy_buffering off).
+Pinning: worker i of either proxy on core i (cores 0..W-1); the rest of the machine split
+between the sources and wrk (4 threads at most). Past ~8 workers the sources have few cores
+left: each row reports the sources' CPU use, and a row whose sources ran near their cores'
+capacity measures the sources, not the relay.
+
+Measures per W: SSE events/s (wrk, 256 streams), tiny-generate req/s (the same sources
+answering one event: the smallest answer, 256 connections), relay CPU-seconds per 1k
+events; at the default worker count: added time to first event over direct, p50/p99, at 1
+and 256 concurrent streams (a raw-socket asyncio client, 10 ms per event); and a py-spy flame graph
+of one worker under load. Writes <out>/dataplane_bench-<stamp>.{json,md,png,svg}.
+
+Needs wrk, nginx and sse_source on PATH (../shared/tools/relay-kit packs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+
+from bench.wrk import SseSource, cpu_seconds, run_wrk  # noqa: E402
+
+SOURCES = 8
+EVENTS = 32
+CONNECTIONS = 256
+STREAM_PATH = "/v2/models/ensemble/generate_stream"
+BODY = json.dumps({"text_input": "What is the capital of France?", "max_tokens": EVENTS, "stream": True,
+                   "bad_words": "", "stop_words": ""}).encode()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of `pid` on `cpus` (sched_setaffinity of a pid moves one thread only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
+def layout(workers: int, ncpu: int) -> tuple[list[int], list[int], list[int]]:
+    """(relay cores, source cores, wrk cores) for W workers."""
+    relay = list(range(workers))
+    rest = list(range(workers, ncpu)) or [ncpu - 1]
+    nwrk = max(1, min(4, len(rest) // 2))
+    return relay, (rest[:-nwrk] or rest), rest[-nwrk:]
+
+
+# --- sources ------------------------------------------------------------------------------------
+class Sources:
+    def __init__(self, n: int, events: int, gap_us: int) -> None:
+        self.items = [SseSource(events, gap_us) for _ in range(n)]
+
+    def __enter__(self) -> "Sources":
+        for s in self.items:
+            s.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s in self.items:
+            s.stop()
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.items]
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self.items if s.proc is not None]
+
+    def pin(self, cpus: list[int]) -> None:
+        for i, pid in enumerate(self.pids):
+            pin(pid, [cpus[i % len(cpus)]])
+
+
+# --- targets --------------------------------------------------------------------------------
+class Nginx:
+    def __init__(self, workers: int, ports: list[int], port: int) -> None:
+        self.prefix = Path(tempfile.mkdtemp(prefix="bench-dp-nginx-"))
+        self.prefix.chmod(0o755)  # workers run as nobody when the master is root
+        masks = " ".join("1" + "0" * i for i in range(workers))
+        for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (self.prefix / d).mkdir()
+        servers = "".join(f"server 127.0.0.1:{p};" for p in ports)
+        temps = "".join(f"{d}_temp_path {self.prefix / d};" for d in ("client_body", "proxy", "fastcgi", "uwsgi",
+                                                                         "scgi"))
+        (self.prefix / "nginx.conf").write_text(
+            f"worker_processes {workers}; worker_cpu_affinity {masks}; worker_rlimit_nofile 65536;\n"
+            f"pid {self.prefix}/nginx.pid;\n"
+            "events { worker_connections 16384; multi_accept on; }\n"
+            f"http {{ access_log off; {temps}\n"
+            f"  upstream llm {{ least_conn; {servers} keepalive 256; }}\n"
+            f"  server {{ listen 127.0.0.1:{port} reuseport backlog=4096;\n"
+            "    location / { proxy_pass http://llm; proxy_http_version 1.1; proxy_set_header Connection \"\";\n"
+            "      proxy_buffering off; proxy_request_buffering off; } } }\n")
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Nginx":
+        self.proc = subprocess.Popen(["nginx", "-e", str(self.prefix / "error.log"), "-p", str(self.prefix),
+                                      "-c", str(self.prefix / "nginx.conf"), "-g", "daemon off;"],
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        from bench.common import wait_port
+        wait_port(self.port, proc=self.proc)
+        return self
+
+    def pids(self) -> list[int]:
+        assert self.proc is not None
+        return [c.pid for c in psutil.Process(self.proc.pid).children()]
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        shutil.rmtree(self.prefix, ignore_errors=True)
+
+
+class Embedded:
+    """The product's WorkerPool on its own event loop thread (wrk runs beside it)."""
+
+    def __init__(self, workers: int, ports: list[int], port: int) -> None:
+        from orchestrator.config import Settings
+        from orchestrator.routing.backends import Backend, ReadyBackends
+        self.settings = Settings(listen=f"127.0.0.1:{port}", grpc_listen="", metrics_listen="",
+                                 proxy_workers=str(workers), log_level="warning")
+        self.backends = ReadyBackends()
+        self.backends.publish(tuple(Backend(str(i), "127.0.0.1", p, p, p) for i, p in enumerate(ports)))
+        self.state = Path(tempfile.mkdtemp(prefix="bench-dp-state-"))
+        self.port = port
+        self.loop = asyncio.new_event_loop()
+        self.pool: Any = None
+
+    def __enter__(self) -> "Embedded":
+        import threading
+        from orchestrator.controlplane.workers import WorkerPool
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.pool = WorkerPool(self.settings, self.backends, self.state, logging.getLogger("bench.dataplane"))
+        asyncio.run_coroutine_threadsafe(self.pool.start(), self.loop).result(60)
+        return self
+
+    def pids(self) -> list[int]:
+        return self.pool.pids()
+
+    def __exit__(self, *exc: Any) -> None:
+        asyncio.run_coroutine_threadsafe(self.pool.stop(2.0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+# --- one measurement ------------------------------------------------------------------------------
+def measure(target: Any, cores: tuple[list[int], list[int], list[int]], sources: Sources, seconds: float,
+            events_per_answer: int) -> dict[str, Any]:
+    relay, src_cores, wrk_cores = cores
+    for i, pid in enumerate(target.pids()):
+        pin(pid, [relay[i % len(relay)]])
+    url = f"http://127.0.0.1:{target.port}{STREAM_PATH}"
+    run_wrk(url, BODY, connections=CONNECTIONS, seconds=1, threads=len(wrk_cores), cpus=tuple(wrk_cores))  # warm
+    pids = target.pids()
+    c0, s0 = cpu_seconds(pids), cpu_seconds(sources.pids)
+    res = run_wrk(url, BODY, connections=CONNECTIONS, seconds=seconds, threads=len(wrk_cores),
+                  cpus=tuple(wrk_cores))
+    cpu, src_cpu = cpu_seconds(pids) - c0, cpu_seconds(sources.pids) - s0
+    events = res["requests"] * events_per_answer
+    dur = res["duration_s"] or seconds
+    return {"rps": res["rps"], "events_per_s": round(events / dur), "failed": res["failed"], "errors": res["errors"],
+            "p50_ms": res["p50_ms"], "p99_ms": res["p99_ms"],
+            "cpu_s_per_1k_events": round(1000 * cpu / events, 4) if events else None,
+            "relay_cores_busy": round(cpu / dur, 2),
+            "source_cores_busy": round(src_cpu / dur / len(src_cores), 2)}
+
+
+def scaling(workers: list[int], seconds: float, ncpu: int, events: int) -> dict[str, Any]:
+    from bench.common import free_port
+    rows: dict[str, dict[str, Any]] = {}
+    for w in workers:
+        cores = layout(w, ncpu)
+        with Sources(SOURCES, events, 0) as sources:
+            sources.pin(cores[1])
+            for name, cls in (("nginx", Nginx), ("embedded", Embedded)):
+                with cls(w, sources.ports, free_port()) as target:
+                    r = measure(target, cores, sources, seconds, events)
+                rows.setdefault(name, {})[str(w)] = r
+                log(f"events={events} W={w} {name}: {r}")
+    return rows
+
+
+def ttft(workers: int, seconds: float, ncpu: int) -> dict[str, Any]:
+    """Added time to first event over direct: 1 and 256 concurrent streams, 10 ms per event."""
+    from bench.common import free_port
+    out: dict[str, Any] = {"workers": workers, "event_gap_ms": 10, "events": 16}
+    cores = layout(workers, ncpu)
+    with Sources(SOURCES, 16, 10_000) as sources:
+        sources.pin(cores[1])
+        direct = [f"http://127.0.0.1:{p}{STREAM_PATH}" for p in sources.ports]
+        for streams in (1, 256):
+            row = {"direct": _ttft(direct, streams, seconds, cores[2])}
+            for name, cls in (("nginx", Nginx), ("embedded", Embedded)):
+                with cls(workers, sources.ports, free_port()) as target:
+                    for i, pid in enumerate(target.pids()):
+                        pin(pid, [cores[0][i % len(cores[0])]])
+                    row[name] = _ttft([f"http://127.0.0.1:{target.port}{STREAM_PATH}"], streams, seconds, cores[2])
+            for name in ("nginx", "embedded"):
+                for p in ("p50_ms", "p99_ms"):
+                    if row[name][p] is not None and row["direct"][p] is not None:
+                        row[name]["added_" + p] = round(row[name][p] - row["direct"][p], 3)
+            out[f"streams_{streams}"] = row
+            log(f"ttft {streams} streams: " + json.dumps({k: {x: v.get(x) for x in ('p50_ms', 'p99_ms', 'added_p50_ms', 'added_p99_ms')} for k, v in row.items()}))
+    return out
+
+
+def _ttft(urls: list[str], streams: int, seconds: float, cpus: list[int]) -> dict[str, Any]:
+    os.sched_setaffinity(0, cpus)
+    try:
+        return asyncio.run(raw_ttft([int(u.split(":")[2].split("/")[0]) for u in urls], streams, seconds))
+    finally:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
+async def raw_ttft(ports: list[int], streams: int, seconds: float) -> dict[str, Any]:
+    """`streams` keep-alive connections, each a closed loop of streams; TTFT = request
+    written to the first `data:` byte read. Raw sockets, not an HTTP client library: at one
+    stream aiohttp's client added more than the hop it measured (1.8 ms against 0.24 ms)."""
+    req_tail = (f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n").encode() + BODY
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    ttft: list[float] = []
+    failed = 0
+
+    async def one(i: int) -> None:
+        nonlocal failed
+        port = ports[i % len(ports)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        req = f"POST {STREAM_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode() + req_tail
+        try:
+            while loop.time() < deadline:
+                t0 = time.perf_counter()
+                writer.write(req)
+                buf = b""
+                first = None
+                while not buf.endswith(b"0\r\n\r\n"):
+                    data = await reader.read(65536)
+                    if not data:
+                        failed += 1
+                        return
+                    buf = buf[-16:] + data if first is not None else buf + data
+                    if first is None and b"data:" in buf:
+                        first = (time.perf_counter() - t0) * 1000
+                if first is None or not buf:
+                    failed += 1
+                else:
+                    ttft.append(first)
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(one(i) for i in range(streams)))
+    from bench.common import pct
+    return {"n": len(ttft), "failed": failed, "p50_ms": pct(ttft, 50), "p90_ms": pct(ttft, 90),
+            "p99_ms": pct(ttft, 99)}
+
+
+def profile(out_dir: Path, stamp: str, seconds: float, ncpu: int) -> str | None:
+    """A py-spy flame graph of one worker relaying streams (W=1)."""
+    from bench.common import free_port
+    spy = shutil.which("py-spy")
+    if spy is None:
+        log("py-spy not found: no flame graph")
+        return None
+    cores = layout(1, ncpu)
+    svg = out_dir / f"dataplane_bench-{stamp}-worker.svg"
+    with Sources(SOURCES, EVENTS, 0) as sources:
+        sources.pin(cores[1])
+        with Embedded(1, sources.ports, free_port()) as target:
+            pid = target.pids()[0]
+            pin(pid, [0])
+            url = f"http://127.0.0.1:{target.port}{STREAM_PATH}"
+            spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
+                                         "-o", str(svg), "-f", "flamegraph", "--nonblocking"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            run_wrk(url, BODY, connections=CONNECTIONS, seconds=seconds, threads=len(cores[2]), cpus=tuple(cores[2]))
+            _, err = spy_proc.communicate(timeout=60)
+            if spy_proc.returncode != 0:
+                log(f"py-spy failed: {err.decode()[-300:]}")
+                return None
+    return svg.name
+
+
+# --- report ---------------------------------------------------------------------------------------
+def ratios(rows: dict[str, Any], key: str) -> dict[str, float | None]:
+    out = {}
+    for w, e in rows["embedded"].items():
+        n = rows["nginx"].get(w, {}).get(key)
+        out[w] = round(e[key] / n, 3) if n else None
+    return out
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [f"# dataplane_bench {result['stamp']}", "", f"Machine: {result['machine']}", "",
+             "## SSE events/s (wrk, 256 streams x 32 events, 8 sse_source backends)", "",
+             "| workers | embedded ev/s | nginx ev/s | ratio | emb CPU-s/1k ev | nginx CPU-s/1k ev | "
+             "emb p99 ms | nginx p99 ms | sources busy (emb/nginx) |", "|---|---|---|---|---|---|---|---|---|"]
+    st = result["stream"]
+    for w in st["embedded"]:
+        e, n = st["embedded"][w], st["nginx"][w]
+        lines.append(f"| {w} | {e['events_per_s']:,} | {n['events_per_s']:,} | {result['stream_ratio'][w]} | "
+                     f"{e['cpu_s_per_1k_events']} | {n['cpu_s_per_1k_events']} | {e['p99_ms']} | {n['p99_ms']} | "
+                     f"{e['source_cores_busy']}/{n['source_cores_busy']} |")
+    lines += ["", "## Tiny generate req/s (one-event answers, 256 connections)", "",
+              "| workers | embedded req/s | nginx req/s | ratio |", "|---|---|---|---|"]
+    tiny = result["tiny"]
+    for w in tiny["embedded"]:
+        lines.append(f"| {w} | {tiny['embedded'][w]['rps']:,} | {tiny['nginx'][w]['rps']:,} | "
+                     f"{result['tiny_ratio'][w]} |")
+    if result.get("ttft"):
+        t = result["ttft"]
+        lines += ["", f"## Added time to first event over direct ({t['workers']} workers, 10 ms per event)", "",
+                  "| streams | target | p50 ms | p99 ms | added p50 | added p99 |", "|---|---|---|---|---|---|"]
+        for streams in ("streams_1", "streams_256"):
+            for name, r in t[streams].items():
+                lines.append(f"| {streams.split('_')[1]} | {name} | {r['p50_ms']} | {r['p99_ms']} | "
+                             f"{r.get('added_p50_ms', '')} | {r.get('added_p99_ms', '')} |")
+    lines += ["", "## Goals", ""] + [f"- {k}: {v}" for k, v in result["goals"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def goals(result: dict[str, Any]) -> dict[str, Any]:
+    st = result["stream"]["embedded"]
+    best = max(r["events_per_s"] for r in st.values())
+    g: dict[str, Any] = {"max embedded events/s >= 250k": f"{best:,} {'MET' if best >= 250_000 else 'MISSED'}"}
+    for w, r in result["stream_ratio"].items():
+        g[f"embedded/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
+    if "1" in st and "8" in st:
+        s = round(st["8"]["events_per_s"] / st["1"]["events_per_s"], 2)
+        g["1 -> 8 workers >= 6x"] = f"{s}x {'MET' if s >= 6 else 'MISSED'}"
+    t = result.get("ttft") or {}
+    if t:
+        a = t["streams_1"]["embedded"].get("added_p50_ms")
+        g["added TTFT p50 at 1 stream <= 0.3 ms"] = a
+    return g
+
+
+def plot(result: dict[str, Any], plt: Any) -> Any:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, field, title in ((axes[0], "stream", "events_per_s", "SSE events/s"),
+                                  (axes[1], "tiny", "rps", "tiny generate req/s")):
+        for name, style in (("embedded", "o-"), ("nginx", "s--")):
+            rows = result[key][name]
+            ws = [int(w) for w in rows]
+            ax.plot(ws, [rows[str(w)][field] for w in ws], style, label=name)
+        ax.set_xlabel("workers")
+        ax.set_ylabel(title)
+        ax.set_title(title + " against workers")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"dataplane_bench {result['stamp']}: {result['machine']}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="1,2,4,8,12")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--ttft-seconds", type=float, default=5.0)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args(argv)
+    for tool in ("wrk", "nginx", "sse_source"):
+        if shutil.which(tool) is None:
+            print(f"dataplane_bench: {tool} not on PATH (../shared/tools/relay-kit packs it)", file=sys.stderr)
+            return 2
+    SseSource._binary = Path(shutil.which("sse_source"))  # type: ignore[arg-type]
+    ncpu = len(os.sched_getaffinity(0))
+    workers = [w for w in (int(x) for x in args.workers.split(",")) if w < ncpu]
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    from orchestrator.config import Settings
+    default_w = Settings().worker_count(ncpu)
+    result: dict[str, Any] = {"stamp": stamp, "machine": f"{ncpu} cores, {os.uname().release}, Python "
+                              f"{sys.version.split()[0]}", "workers": workers, "default_workers": default_w,
+                              "connections": CONNECTIONS, "sources": SOURCES, "events_per_stream": EVENTS,
+                              "layout": {str(w): dict(zip(("relay", "sources", "wrk"), layout(w, ncpu)))
+                                         for w in workers}}
+    log(f"stream scaling on {ncpu} cores: workers {workers}")
+    result["stream"] = scaling(workers, args.seconds, ncpu, EVENTS)
+    result["stream_ratio"] = ratios(result["stream"], "events_per_s")
+    log("tiny generate")
+    result["tiny"] = scaling(workers, args.seconds / 2, ncpu, 1)
+    result["tiny_ratio"] = ratios(result["tiny"], "rps")
+    log("time to first event")
+    result["ttft"] = ttft(default_w, args.ttft_seconds, ncpu)
+    if not args.no_profile:
+        result["profile_svg"] = profile(args.out, stamp, 6, ncpu)
+    result["goals"] = goals(result)
+    path = args.out / f"dataplane_bench-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"dataplane_bench-{stamp}.md").write_text(report(result))
+    try:
+        from bench.common import write_plot
+        write_plot(path, result, plot)
+    except Exception as exc:  # the numbers never depend on the picture
+        log(f"no plot: {exc!r}")
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
