@@ -308,11 +308,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def format_workers(pool: dict[str, Any]) -> list[str]:
+    """The data plane: a total line, then one line per worker process."""
+    lines = [f"data plane {pool.get('state')}  {pool.get('workers_alive', 0)}/{pool.get('workers_wanted', 0)} "
+             f"workers  connections {pool.get('connections', 0)}  in flight {pool.get('inflight', 0)}  "
+             f"requests {pool.get('requests', 0)}"]
+    for w in pool["workers"]:
+        lines.append(f"      worker {w['slot']}: pid {w.get('pid') or '-'}  v{w.get('version') or '?'}  "
+                     f"connections {w.get('connections', 0)}  in flight {w.get('inflight', 0)}  held "
+                     f"{w.get('held', 0)}  requests {w.get('requests', 0)}  restarts {w.get('restarts', 0)}"
+                     + (f"  last exit: {w['last_exit']}" if w.get("last_exit") else ""))
+    return lines
+
+
 def format_status(status: dict[str, Any]) -> str:
     d = status["daemon"]
     lines = [f"daemon pid {d['pid']}  up {d['uptime_s']:.0f}s  {status['ready']}/{status['total']} ready  "
              f"proxy {d['proxy']} {d['listen']}" + ("  (stopping)" if d.get("stopping") else "")]
-    for proxy in status.get("proxies", []):  # a proxy with a process of its own (nginx)
+    for proxy in status.get("proxies", []):  # a proxy with a process of its own (nginx, the workers)
+        if "workers" in proxy:
+            lines += format_workers(proxy)
+            continue
         lines.append(f"{proxy.get('kind', 'proxy')} {proxy.get('state')}  pid {proxy.get('pid') or '-'}  "
                      f"restarts {proxy.get('restarts', 0)}")
         if proxy.get("last_failure"):

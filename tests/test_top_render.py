@@ -51,6 +51,24 @@ def test_top_renders_header_and_one_row_per_instance():
     assert "q: quit" in out
 
 
+POOL = {"kind": "embedded", "state": "degraded", "workers_wanted": 2, "workers_alive": 1, "connections": 7,
+        "inflight": 4, "requests": 90, "last_failure": "killed by SIGKILL",
+        "workers": [{"slot": 0, "pid": 11, "alive": True, "version": "0.2.0", "restarts": 0, "connections": 7,
+                     "inflight": 4, "held": 0, "requests": 80, "last_exit": ""},
+                    {"slot": 1, "pid": None, "alive": False, "version": "0.2.0", "restarts": 1, "connections": 0,
+                     "inflight": 0, "held": 0, "requests": 10, "last_exit": "killed by SIGKILL"}]}
+
+
+def test_top_and_status_show_the_data_plane_workers_total_and_each():
+    from orchestrator.cli import format_status
+    status = {**STATUS, "proxies": [POOL]}
+    line = next(ln for ln in text_of(render(status)).splitlines() if ln.startswith("workers"))
+    assert "workers 1/2" in line and "conns 7" in line and "w0:7c/4f" in line and "w1:0c/0f" in line
+    text = format_status({**status, "instances": []})
+    assert "data plane degraded  1/2 workers  connections 7  in flight 4  requests 90" in text
+    assert "worker 1: pid -" in text and "last exit: killed by SIGKILL" in text
+
+
 def test_top_shows_a_daemon_that_stopped_answering():
     out = text_of(render(STATUS, error="daemon not answering: gone"))
     assert "daemon not answering: gone" in out

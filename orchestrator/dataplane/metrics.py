@@ -178,12 +178,35 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         if self.multiproc_dir:
-            registry = CollectorRegistry(auto_describe=True)
-            MultiProcessCollector(registry, path=self.multiproc_dir)
-            for collector in (self._engines, *self.extra_collectors):
-                registry.register(collector)
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_EveryWorker(self.multiproc_dir, self.registry, (self._engines, *self.extra_collectors)))
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+class _EveryWorker:
+    """A worker's scrape: every data-plane worker's values (prometheus_client's
+    multiprocess files), what is read at scrape time (engines, the workers' table), and
+    the HELP/TYPE of each metric no worker has a sample of yet: one process showed those
+    too, and a dashboard or alert rule must find a family before its first retry."""
+
+    def __init__(self, path: str, local: CollectorRegistry, live: tuple[Any, ...]) -> None:
+        self._files = MultiProcessCollector(None, path=path)
+        self._local = local
+        self._live = live
+
+    def collect(self) -> Any:
+        from prometheus_client.metrics_core import Metric
+        seen = set()
+        for source in (self._files, *self._live):
+            for family in source.collect():
+                if family.name not in seen:
+                    seen.add(family.name)
+                    yield family
+        for family in self._local.collect():
+            if family.name not in seen:
+                seen.add(family.name)
+                yield Metric(family.name, family.documentation, family.type)
 
 
 class EngineCollector:
