@@ -29,7 +29,7 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     if settings.proxy == "none":
         if settings.openai == "on" and settings.openai_listen:
             # The OpenAI API for a system NGINX, which forwards /v1/ here (render-nginx).
-            from orchestrator.dataplane.openai_frontend import OpenAIListener
+            from orchestrator.dataplane.openai_listener import OpenAIListener
             return [OpenAIListener(settings, backends, logger)]
         return []
     if settings.proxy == "nginx":

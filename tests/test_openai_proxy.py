@@ -23,7 +23,7 @@ from aiohttp import web
 from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend
 from orchestrator.dataplane.embedded import EmbeddedProxy
-from orchestrator.dataplane.openai_frontend import OpenAIListener
+from orchestrator.dataplane.openai_listener import OpenAIListener
 from tests.fakes import RecordingBackends
 
 pytestmark = pytest.mark.unit

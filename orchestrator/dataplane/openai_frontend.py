@@ -21,7 +21,6 @@ forwards /v1/ to (nginx.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -38,7 +37,6 @@ from prometheus_client import Counter
 
 from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend
-from orchestrator.dataplane.embedded import EmbeddedProxy
 from orchestrator.dataplane.metrics import ProxyMetrics
 from orchestrator.dataplane.openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader, Translation,
                          decode_json, error_body, model_body, models_body, native_body, native_error,
@@ -427,40 +425,3 @@ async def _write(resp: web.StreamResponse, data: bytes) -> bool:
     except ConnectionError:
         return False
     return True
-
-
-class OpenAIListener:
-    """The OpenAI API alone, on a listener of its own, for a proxy that cannot translate.
-
-    `--proxy nginx`: the NginxProxy owns one on loopback (a free port unless
-    --openai-listen) and forwards /v1/ to it; `--proxy none`: the daemon runs one when
-    --openai-listen is set, for a system NGINX (render-nginx). Requests still go straight
-    to the instances from here, with the embedded proxy's hold, routing and retries.
-    """
-
-    def __init__(self, settings: Settings, backends: Any, logger: logging.Logger | None = None,
-                 metrics: ProxyMetrics | None = None) -> None:
-        self._proxy = EmbeddedProxy(self._own(settings), backends, logger, metrics=metrics, openai_only=True)
-        self.metrics = self._proxy.metrics
-
-    @staticmethod
-    def _own(s: Settings) -> Settings:
-        # The NGINX in front is on this host: keep the client address it forwards.
-        return dataclasses.replace(s, listen=s.openai_listen or "127.0.0.1:0", metrics_listen="",
-                                   trusted_proxy=(*s.trusted_proxy, "127.0.0.1", "::1"))
-
-    @property
-    def bound_port(self) -> int:
-        return self._proxy.bound_port
-
-    async def start(self) -> None:
-        await self._proxy.start()
-
-    async def stop(self, grace_s: float = 5.0) -> None:
-        await self._proxy.stop(grace_s)
-
-    def apply_settings(self, settings: Settings) -> None:
-        self._proxy.apply_settings(self._own(settings))
-
-    def inflight(self) -> dict[str, int]:
-        return self._proxy.inflight()

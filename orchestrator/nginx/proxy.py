@@ -177,7 +177,7 @@ class NginxProxy:
         # started before nginx and stopped after it (in-flight /v1/ requests pass through both).
         self._openai: Any = None
         if settings.openai == "on":
-            from orchestrator.dataplane.openai_frontend import OpenAIListener
+            from orchestrator.dataplane.openai_listener import OpenAIListener
             self._openai = OpenAIListener(settings, backends, self._log, metrics=self.metrics)
 
     # --- public ------------------------------------------------------------------
