@@ -18,12 +18,14 @@ def planned_backends(plan: Any) -> tuple[Backend, ...]:
 
 
 def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *,
-                 planned: tuple[Backend, ...] = (), on_change: Callable[[], None] | None = None) -> list[Any]:
+                 planned: tuple[Backend, ...] = (), on_change: Callable[[], None] | None = None,
+                 adopt: list[Any] | None = None) -> list[Any]:
     """The proxies for `--proxy`; each has start(), stop(grace_s), inflight(), pids().
 
     planned: every instance of the plan (nginx lists them all, ready or not).
     on_change: called when a proxy's own state changes (nginx restarted its master), so
     the daemon can rewrite state.json and tell systemd; proxies may also have status().
+    adopt: data-plane workers a previous daemon left serving (live restore).
     """
     logger = logging.getLogger("trtllm-orch.proxy")
     if settings.proxy == "none":
@@ -38,4 +40,4 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     # The embedded proxy runs in worker processes beside the daemon (the data plane):
     # the daemon's own crash, GC pause or upgrade touches no client connection.
     from orchestrator.controlplane.workers import WorkerPool
-    return [WorkerPool(settings, backends, state_dir, logger, on_change=on_change)]
+    return [WorkerPool(settings, backends, state_dir, logger, on_change=on_change, adopt=adopt or [])]

@@ -119,16 +119,17 @@ def test_sigkill_daemon_then_down_leaves_no_orphan(orch_run):
     assert tagged(run.state_dir) == []
 
 
-def test_sigkill_daemon_next_up_reaps_and_serves(orch_run):
+def test_sigkill_daemon_next_up_adopts_and_starts_nothing_twice(orch_run):
     run = orch_run().start()
     old = {p for inst in run.status()["instances"] for p in inst["pids"]}
     os.kill(run.status()["daemon"]["pid"], signal.SIGKILL)
     run.proc.wait(timeout=10)
-    run.start()  # same state dir, same ports: must sweep the old run first
+    assert all(running(p) for p in old)  # live restore: the engines outlive the daemon
+    run.start()  # same state dir, same ports: adopts them
     new = {p for inst in run.status()["instances"] for p in inst["pids"]}
-    assert not (old & new)
-    alive_old = [p for p in old if running(p)]
-    assert alive_old == []
+    assert old == new
+    ranks = [p for p in tagged(run.state_dir) if p.name() == "tritonserver"]
+    assert len(ranks) == 4  # 2 instances x TP2, none started twice
 
 
 def test_second_up_on_same_state_dir_is_refused(orch_run):

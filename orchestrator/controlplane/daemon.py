@@ -33,6 +33,8 @@ from orchestrator.launcher.group import ProcessGroup
 from orchestrator.launcher.process_tree import OsOps
 from orchestrator.plan import InstancePlan, Plan
 from orchestrator.routing.backends import ReadyBackends
+from orchestrator import __version__
+from orchestrator.controlplane.adoption import Prior, find_prior
 from orchestrator.controlplane.reaper import sweep_leftovers
 from orchestrator.controlplane.states import State
 from orchestrator.controlplane.statedir import StateDir, StateWriter
@@ -83,6 +85,7 @@ class Daemon:
         # Shows engines loading (progress.LoadProgress): told of every instance change,
         # renders from a task of its own that the daemon owns.
         self._progress = progress
+        self._prior = Prior()  # what the previous daemon left for us to adopt (run() reads it)
 
     # --- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -90,13 +93,25 @@ class Daemon:
         sd.ensure()
         sd.acquire_lock()
         try:
-            left = await sweep_leftovers(sd, self._ops, self.settings.stop_grace_s)
+            # Live restore: what the previous daemon left that matches this config is
+            # adopted (engines keep their KV cache, workers their clients); the rest is swept.
+            self._prior = await asyncio.to_thread(self._find_prior)
+            for note in self._prior.notes:
+                log.info("live restore: %s", note)
+            left = await sweep_leftovers(sd, self._ops, self.settings.stop_grace_s,
+                                         keep=frozenset(self._prior.keep_pids()))
             if left:
                 log.warning("stopped %d process(es) left by a previous daemon: %s", len(left), left)
             return await self._run_locked()
         finally:
             sd.clear_state()
             sd.release_lock()
+
+    def _find_prior(self) -> Prior:
+        s = self.settings
+        listen = {"listen": s.listen, "grpc_listen": s.grpc_listen, "metrics_listen": s.metrics_listen}
+        return find_prior(self.state_dir.read_state(), self.plan.instances, self._build_command,
+                          str(self.state_dir.root), listen, local_launcher=self._launcher is None)
 
     def _make_shared(self, watcher: ExitWatcher, session: aiohttp.ClientSession) -> Shared:
         root = str(self.state_dir.root)
@@ -119,10 +134,12 @@ class Daemon:
                                         connector=aiohttp.TCPConnector(limit=0, force_close=False))
         self._shared = self._make_shared(watcher, session)
         for inst_plan in self.plan.instances:
-            self.instances[inst_plan.instance_id] = Instance(inst_plan, self._shared, self._instance_changed)
+            self.instances[inst_plan.instance_id] = Instance(inst_plan, self._shared, self._instance_changed,
+                                                             adopt=self._prior.instances.get(inst_plan.instance_id))
         control = ControlServer(self, self.state_dir.socket_path)
         # The daemon owns every task it starts here and stops each one below.
         background = [loop.create_task(self._watchdog_loop(), name="watchdog"),
+                      loop.create_task(self._log_rotation_loop(), name="log-rotation"),
                       loop.create_task(self._state_writer.run(), name="state-writer"),
                       loop.create_task(self.loop_monitor.run(), name="loop-monitor")]
         if self._launcher is not None:  # Slurm: records the run's step names, watches the nodes
@@ -222,7 +239,8 @@ class Daemon:
     async def _start_proxies(self) -> None:
         from orchestrator.endpoint import make_proxies, planned_backends
         self.proxies = make_proxies(self.settings, self.backends, self.state_dir.root,
-                                    planned=planned_backends(self.plan), on_change=self._proxy_changed)
+                                    planned=planned_backends(self.plan), on_change=self._proxy_changed,
+                                    adopt=self._prior.workers)
         for proxy in self.proxies:
             await proxy.start()
 
@@ -254,9 +272,12 @@ class Daemon:
 
     def state_record(self) -> dict[str, Any]:
         proxy_pids = [pid for p in self.proxies for pid in getattr(p, "pids", lambda: [])()]
+        dataplane = next((p.state_record() for p in self.proxies if hasattr(p, "state_record")), None)
         return {"daemon_pid": os.getpid(),
                 "daemon_create_time": self._create_time,
+                "version": __version__,
                 "proxy_pids": proxy_pids,
+                "dataplane": dataplane,
                 "instances": {i.id: i.state_record() for i in self.instances.values()}}
 
     def ready_count(self) -> int:
@@ -434,6 +455,19 @@ class Daemon:
                     self._notifier.extend_timeout(max(30.0, (interval or 15) * 4))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval or 15.0)
+
+
+    async def _log_rotation_loop(self) -> None:
+        """The engines write their logs themselves (they outlive the daemon): the daemon
+        caps them, by copy and truncate, every LOG_CHECK_S."""
+        while not self._stop.is_set():
+            for inst in self.instances.values():
+                inst.rotate_log()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), LOG_CHECK_S)
+
+
+LOG_CHECK_S = 2.0
 
 
 def _make_notifier():

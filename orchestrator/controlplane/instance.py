@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from orchestrator.config import Settings
 from orchestrator.health.canary import CanaryScheduler, default_canary_body
@@ -36,6 +36,9 @@ from orchestrator.plan import InstancePlan
 from orchestrator.routing.backends import Backend
 from orchestrator.controlplane.states import SERVING_STATES, State, check_transition
 from orchestrator.controlplane.statedir import StateDir
+
+if TYPE_CHECKING:
+    from orchestrator.controlplane.adoption import Adoptable
 
 log = logging.getLogger("trtllm-orch")
 
@@ -69,7 +72,8 @@ class _Command:
 
 
 class Instance:
-    def __init__(self, plan: InstancePlan, shared: Shared, on_change: Callable[["Instance"], None]):
+    def __init__(self, plan: InstancePlan, shared: Shared, on_change: Callable[["Instance"], None],
+                 adopt: "Adoptable | None" = None):
         self.plan = plan
         self.id = plan.instance_id
         self._shared = shared
@@ -105,11 +109,18 @@ class Instance:
                                health=self.passive, engine=self.engine)
         self.group = shared.make_group(plan, self._log, self.report_trouble)
         self.checks = shared.make_checks(self.backend)
+        # A group a previous daemon left running for us (live restore): the first start
+        # takes it over instead of launching; it is then probed like a fresh launch.
+        self._adopt = adopt
+        self.adopted = False
 
     # --- views ---------------------------------------------------------------------
     @property
     def serving(self) -> bool:
         return self.state in SERVING_STATES
+
+    def rotate_log(self) -> None:
+        self._log.rotate_if_over()
 
     def log_tail(self, n: int = 20) -> list[str]:
         return self._log.tail(n)
@@ -132,6 +143,7 @@ class Instance:
             "nodes": list(self.plan.nodes),
             "mpirun_pid": self.group.mpirun_pid,
             "pids": self.group.pids,
+            "started_by": self.group.started_by, "adopted": self.adopted,
             "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.serving else None,
             "startup_s": round(self.startup_s, 2) if self.startup_s is not None else None,
             "running": self.running_config,
@@ -145,9 +157,13 @@ class Instance:
 
     def state_record(self) -> dict[str, Any]:
         """What `down` needs if the daemon is SIGKILLed: pids with their start times."""
+        cmd = self.group.command
         return {"state": self.state.value,
                 "mpirun_pid": self.group.mpirun.pid if self.group.mpirun else None,
                 "mpirun_create_time": self.group.mpirun_create_time,
+                # What the next daemon compares before it adopts the group (live restore).
+                "launch": cmd.shell_text() if cmd is not None else None,
+                "started_by": self.group.started_by, "tp": self.plan.tp,
                 "pids": self.group.pids, "gpus": list(self.plan.gpus),
                 "ports": list(self.plan.ports.all())}
 
@@ -293,8 +309,12 @@ class Instance:
         s, shared = self._s, self._shared
         cmd = shared.build_command(self.plan)  # read now: a reload may have replaced it
         self.started_at = time.monotonic()
+        adopt, self._adopt = self._adopt, None
         try:
-            await self.group.launch(cmd)
+            if adopt is not None and self.group.adopt(adopt.mpirun_pid, adopt.create_time, cmd, adopt.started_by):
+                self.adopted = True
+            else:
+                await self.group.launch(cmd)
         except LaunchFailed as exc:
             return str(exc)
         self.running_config = {"generation": shared.generation, "model_repo": s.model_repo,
@@ -321,7 +341,9 @@ class Instance:
         self.policy.record_ready()
         self.canary.ran()  # a fresh instance just answered: no canary needed right away
         self._start_engine_monitor()
-        self._move(State.READY, f"ready after {self.startup_s:.1f}s")  # STARTING -> READY
+        how = f"adopted (started by trtllm-orch {self.group.started_by or '?'})" if adopt is not None and \
+            self.adopted else "ready"
+        self._move(State.READY, f"{how} after {self.startup_s:.1f}s")  # STARTING -> READY
         return None
 
     def _start_engine_monitor(self) -> None:

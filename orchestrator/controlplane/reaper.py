@@ -1,13 +1,12 @@
 """Find and stop what a killed daemon left behind.
 
-Design choice for a SIGKILLed daemon: its instances die with it. mpirun gets
-SIGTERM from the kernel (PR_SET_PDEATHSIG, set when we spawn it) and tears its
-ranks down; ranks run under `setpriv --pdeathsig KILL`, so they die with their
-launcher; Python-backend stubs exit when their tritonserver is gone. Whatever
-still survives (a wedged process, a host without setpriv) is found here by the
-next `up` or by `down`: by the pids in state.json, checked against their start
-times so a recycled pid is never killed, and by the environment tag every
-process of the run carries. Under Slurm the ranks are on other nodes: their job
+A SIGKILLed daemon leaves its local groups and its data-plane workers running
+(live restore): the next `up` adopts what matches its config (adoption.py) and this
+sweep stops the rest; `down` without a daemon stops all of it. Ranks run under
+`setpriv --pdeathsig KILL`, so they die with their mpirun; Python-backend stubs exit
+when their tritonserver is gone. What is to be stopped is found here: by the pids
+in state.json, checked against their start times so a recycled pid is never
+killed, and by the environment tag every process of the run carries. Under Slurm the ranks are on other nodes: their job
 steps are found by name (launcher/slurm.py) and cancelled through Slurm.
 """
 
@@ -60,15 +59,17 @@ def _looks_like_nginx(proc: psutil.Process, sd: StateDir) -> bool:
         return False
 
 
-async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float, slurm_steps: bool = True) -> list[int]:
+async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float, slurm_steps: bool = True,
+                          keep: frozenset[int] = frozenset()) -> list[int]:
+    """Stop what a previous daemon left, except `keep`: what this daemon adopts (live restore)."""
     # Job steps on other nodes first (a Slurm run, found by name): nothing local reaches them.
     if slurm_steps:
         await sweep_steps(sd.root)
-    procs = await asyncio.to_thread(leftover_processes, sd)
+    procs = [p for p in await asyncio.to_thread(leftover_processes, sd) if p.pid not in keep]
     pids = [p.pid for p in procs]
     if procs:
         async def rescan() -> list[psutil.Process]:
-            return await asyncio.to_thread(tagged_processes, str(sd.root))
+            return [p for p in await asyncio.to_thread(tagged_processes, str(sd.root)) if p.pid not in keep]
         await stop_processes(procs, grace_s, ops, rescan=rescan)
     await asyncio.to_thread(_sweep_shm)
     return pids

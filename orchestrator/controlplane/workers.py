@@ -41,16 +41,19 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import Settings, parse_host_port, settings_to_json
+from orchestrator.controlplane.adoption import AdoptableWorker
+from orchestrator.launcher.adopted import UNKNOWN_EXIT, AdoptedProcess
 from orchestrator.dataplane.feed import FeedServer
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
-from orchestrator.dataplane.shared_table import SharedTable, instance_index
-from orchestrator.dataplane.worker import dataplane_dir, feed_path, prefix_path, table_path
+from orchestrator.dataplane.shared_table import SharedTable, TableError, instance_index
+from orchestrator.dataplane.worker import dataplane_dir, feed_path, handover_path, prefix_path, table_path
 from orchestrator.errors import OrchError
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
 from orchestrator.routing.backends import Backend, ReadyBackends
 
 START_TIMEOUT_S = 30.0
+HANDOVER_TIMEOUT_S = 5.0  # a worker's feed client retries every <= 2 s
 STABLE_S = 10.0
 BACKOFF_MAX_S = 5.0
 LISTEN_BACKLOG = 4096
@@ -60,7 +63,7 @@ ENV_ROLE = "TRTLLM_ORCH_ROLE"  # "dataplane": what the reaper and adoption look 
 @dataclass
 class _Slot:
     index: int
-    proc: asyncio.subprocess.Process | None = None
+    proc: "asyncio.subprocess.Process | AdoptedProcess | None" = None
     started: float = 0.0
     restarts: int = 0
     fast_failures: int = 0
@@ -88,7 +91,8 @@ class WorkerPool:
     kind = "embedded"
 
     def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
-                 logger: logging.Logger | None = None, on_change: Callable[[], None] | None = None) -> None:
+                 logger: logging.Logger | None = None, on_change: Callable[[], None] | None = None,
+                 adopt: list[AdoptableWorker] | None = None) -> None:
         self._settings = settings
         self._backends = backends
         self._state_dir = state_dir
@@ -105,22 +109,25 @@ class WorkerPool:
         self._hooked: dict[str, tuple[Any, Callable[[EngineSnapshot], None]]] = {}
         self._stopping = False
         self._resize_task: asyncio.Task[None] | None = None
+        # Live restore: workers a previous daemon left serving. Until this daemon's ready
+        # set first has an instance, they keep the membership they have (an empty set
+        # would hold every request while the adopted engines are probed).
+        self._adopt = list(adopt or [])
+        self._adopting = bool(self._adopt)
+        self._handover: asyncio.Task[None] | None = None
+        self._got_sockets = asyncio.Event()
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         s = self._settings
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        shutil.rmtree(self._prom_dir, ignore_errors=True)  # counters of a previous run
-        self._prom_dir.mkdir(mode=0o700)
-        self._table = SharedTable.create(table_path(self._state_dir))
-        SharedPrefixIndex.create(prefix_path(self._state_dir)).close()  # the workers map it
         try:
-            self._sockets["listen"] = bind_listener(s.listen, "--listen")
-            if s.metrics_listen:
-                self._sockets["metrics_listen"] = bind_listener(s.metrics_listen, "--metrics-listen")
-            self._feed = FeedServer(feed_path(self._state_dir), on_connect=self._on_connect,
-                                    on_message=self._on_message, logger=self._log)
-            await self._feed.start()
+            if not await self._adopt_workers():
+                self._fresh_files()
+                self._sockets["listen"] = bind_listener(s.listen, "--listen")
+                if s.metrics_listen:
+                    self._sockets["metrics_listen"] = bind_listener(s.metrics_listen, "--metrics-listen")
+                await self._start_feed()
             self._write_settings()
             self._unsubscribe = self._backends.subscribe(self._on_members)
             await self._grow(s.worker_count())
@@ -130,8 +137,95 @@ class WorkerPool:
         self._log.info("data plane: %d worker(s) on %s (grpc %s, metrics %s)", len(self._slots), s.listen,
                        s.grpc_listen or "off", s.metrics_listen or "off")
 
+    def _fresh_files(self) -> None:
+        shutil.rmtree(self._prom_dir, ignore_errors=True)  # counters of a previous run
+        self._prom_dir.mkdir(mode=0o700)
+        self._table = SharedTable.create(table_path(self._state_dir))
+        SharedPrefixIndex.create(prefix_path(self._state_dir)).close()  # the workers map it
+
+    async def _start_feed(self) -> None:
+        self._feed = FeedServer(feed_path(self._state_dir), on_connect=self._on_connect,
+                                on_message=self._on_message, logger=self._log)
+        await self._feed.start()
+
+    async def _adopt_workers(self) -> bool:
+        """Take over the workers a previous daemon left (live restore): the same table,
+        prefix index and Prometheus files; the listening sockets come from a worker over
+        SCM_RIGHTS. False: nothing to adopt (or it could not be), start fresh."""
+        if not self._adopt:
+            return False
+        try:
+            self._table = SharedTable.open(table_path(self._state_dir))
+        except TableError as exc:
+            self._log.warning("live restore: %s: the previous workers are stopped, new ones started", exc)
+            await self._stop_strays()
+            return False
+        for w in self._adopt:
+            slot = self._slots[w.slot] = _Slot(w.slot)
+            slot.proc = AdoptedProcess(w.pid, w.create_time)
+            slot.started, slot.version = time.monotonic(), w.version
+            slot.listening.set()  # it serves already
+            slot.task = asyncio.get_running_loop().create_task(self._supervise(slot),
+                                                               name=f"dataplane-worker-{w.slot}")
+        self._handover = asyncio.get_running_loop().create_task(self._receive_sockets(), name="dataplane-handover")
+        await self._start_feed()  # the workers reconnect (their feed client retries every <= 2 s)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._got_sockets.wait(), HANDOVER_TIMEOUT_S)
+        if not self._sockets:
+            self._log.warning("live restore: no worker handed its sockets over in %.0fs: they are "
+                              "stopped, new ones started", HANDOVER_TIMEOUT_S)
+            await self._retire(list(self._slots.values()), 0)
+            await self._feed.stop()
+            self._table.close()
+            self._table, self._feed, self._adopting = None, None, False
+            return False
+        self._log.info("live restore: adopted %d data-plane worker(s) and their sockets", len(self._slots))
+        return True
+
+    async def _stop_strays(self) -> None:
+        for w in self._adopt:
+            AdoptedProcess(w.pid, w.create_time).kill()
+        await asyncio.gather(*(AdoptedProcess(w.pid, w.create_time).wait() for w in self._adopt))
+
+    async def _receive_sockets(self) -> None:
+        """One worker sends the listening sockets it serves on (SCM_RIGHTS): a replacement
+        or an extra worker of this daemon then serves the very same sockets."""
+        path = handover_path(self._state_dir)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(path))
+        os.chmod(path, 0o600)
+        server.listen(8)
+        server.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._sockets:
+                conn, _ = await loop.sock_accept(server)
+                with conn:
+                    conn.setblocking(True)
+                    conn.settimeout(2.0)
+                    try:
+                        data, fds, _, _ = await asyncio.to_thread(socket.recv_fds, conn, 4096, 4)
+                        names = json.loads(data)["names"]
+                    except (OSError, ValueError, KeyError) as exc:
+                        self._log.warning("live restore: a bad socket handover: %r", exc)
+                        continue
+                    for name, fd in zip(names, fds):
+                        sock = socket.socket(fileno=fd)
+                        sock.setblocking(False)
+                        self._sockets[name] = sock
+                    self._got_sockets.set()
+        finally:
+            server.close()
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
+        if self._handover is not None:
+            self._handover.cancel()
+            await asyncio.gather(self._handover, return_exceptions=True)
         if self._resize_task is not None:
             self._resize_task.cancel()
             await asyncio.gather(self._resize_task, return_exceptions=True)
@@ -297,8 +391,11 @@ class WorkerPool:
         slot = self._slots.get(slot_index)
         if slot is not None:
             slot.version = str(hello.get("version", ""))
-        out = [{"t": "settings", "settings": settings_to_json(self._settings)},
-               _members(self._backends.current())]
+        out: list[dict[str, Any]] = [{"t": "settings", "settings": settings_to_json(self._settings)}]
+        if not self._sockets:
+            out.append({"t": "send_sockets", "path": str(handover_path(self._state_dir))})
+        if not self._adopting:
+            out.append(_members(self._backends.current()))
         for b in self._backends.current():
             snap = b.engine.latest if b.engine is not None else None
             if snap is not None:
@@ -330,6 +427,9 @@ class WorkerPool:
     def _on_members(self, backends: tuple[Backend, ...]) -> None:
         if self._feed is None:
             return
+        if self._adopting and not backends:
+            return  # adopted workers keep what they route to until an instance is ready here
+        self._adopting = False
         self._feed.broadcast(_members(backends))
         for b in backends:  # publish each ready instance's engine snapshots as they come
             view = b.engine
@@ -346,6 +446,24 @@ class WorkerPool:
         return publish
 
     # --- what the daemon asks ------------------------------------------------------------------
+    def state_record(self) -> dict[str, Any]:
+        """What the next daemon needs to adopt these workers (live restore)."""
+        s = self._settings
+        workers = []
+        for slot in self._slots.values():
+            proc = slot.proc
+            if proc is not None and proc.returncode is None:
+                created = getattr(proc, "create_time", None)
+                if created is None:
+                    with contextlib.suppress(Exception):
+                        import psutil
+                        created = psutil.Process(proc.pid).create_time()
+                if created is not None:
+                    workers.append({"slot": slot.index, "pid": proc.pid, "create_time": created,
+                                    "version": slot.version})
+        return {"listen": {"listen": s.listen, "grpc_listen": s.grpc_listen, "metrics_listen": s.metrics_listen},
+                "workers": workers}
+
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self._slots.values() if s.proc is not None and s.proc.returncode is None]
 
@@ -421,6 +539,8 @@ def _members(backends: tuple[Backend, ...]) -> dict[str, Any]:
 
 
 def _describe_exit(rc: int) -> str:
+    if rc == UNKNOWN_EXIT:
+        return "exited (adopted: its status went to init)"
     if rc < 0:
         try:
             return f"killed by {signal.Signals(-rc).name}"

@@ -23,7 +23,9 @@ from collections.abc import Callable
 
 import psutil
 
+from orchestrator import __version__
 from orchestrator.health.exit_watch import ExitWatcher
+from orchestrator.launcher.adopted import UNKNOWN_EXIT, AdoptedProcess
 from orchestrator.plan import InstancePlan
 from orchestrator.launcher.command import LaunchCommand, shm_prefix, shm_scope
 from orchestrator.launcher.logfile import RotatingLog, pump
@@ -63,6 +65,10 @@ Trouble = Callable[[str], None]  # called with a reason when a process of the gr
 
 
 class ProcessGroup:
+    # A local mpirun writes its output to the instance log itself and outlives the daemon
+    # (live restore: the next daemon adopts it). SlurmGroup's srun does not (False).
+    outlives_daemon = True
+
     def __init__(self, plan: InstancePlan, state_dir: str, ops: OsOps, exit_watcher: ExitWatcher,
                  gpu_holders: Callable[[tuple[int, ...]], set[int]] | None, log_file: RotatingLog,
                  on_trouble: Trouble):
@@ -77,6 +83,7 @@ class ProcessGroup:
         self.mpirun_create_time: float | None = None
         self.pids: list[int] = []
         self.command: LaunchCommand | None = None  # what runs now: `status` shows it
+        self.started_by = ""  # the version of trtllm-orch that launched what runs now
         self._stopping = False
         self._pump: asyncio.Task | None = None
         self._exit_wait: asyncio.Task | None = None
@@ -110,17 +117,37 @@ class ProcessGroup:
         try:
             if cmd.scratch:
                 await asyncio.to_thread(self._ops.fresh_dir, cmd.scratch)
-            proc = await self._ops.spawn(cmd.argv, env, None)
+            proc = await self._ops.spawn(cmd.argv, env, self.log.child_fd() if self.outlives_daemon else None)
         except OSError as exc:
             raise LaunchFailed(f"could not start {cmd.argv[0]}: {exc}") from None
         self._stopping = False
         self.command = cmd
+        self.started_by = __version__
         self.mpirun = proc
         self.mpirun_create_time = self._ops.create_time(proc.pid)  # one stat of /proc/PID
         self.pids = [proc.pid]
-        self._pump = asyncio.create_task(pump(proc.stdout, self.log), name=f"log-pump-{self.plan.instance_id}")
+        if proc.stdout is not None:
+            self._pump = asyncio.create_task(pump(proc.stdout, self.log), name=f"log-pump-{self.plan.instance_id}")
         self._exit_wait = asyncio.create_task(self._watch_mpirun(proc),
                                               name=f"mpirun-wait-{self.plan.instance_id}")
+
+    def adopt(self, pid: int, create_time: float, cmd: LaunchCommand, started_by: str) -> bool:
+        """Take over the group a previous daemon launched (live restore). Its mpirun is not
+        our child: its exit comes through a pidfd; the ranks are watched as after a launch
+        (`watch_all`). False if it is gone already."""
+        proc = AdoptedProcess(pid, create_time, self._watcher)
+        if proc.returncode is not None:
+            return False
+        self._stopping = False
+        self.command = cmd
+        self.started_by = started_by
+        self.mpirun = proc  # type: ignore[assignment]
+        self.mpirun_create_time = create_time
+        self.pids = [pid]
+        self.log.note(f"adopted mpirun pid {pid} (started by trtllm-orch {started_by or '?'})")
+        self._exit_wait = asyncio.create_task(self._watch_mpirun(proc),  # type: ignore[arg-type]
+                                              name=f"mpirun-wait-{self.plan.instance_id}")
+        return True
 
     async def _watch_mpirun(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
@@ -128,6 +155,8 @@ class ProcessGroup:
             self._on_trouble(self._exit_reason(proc.pid, code))
 
     def _exit_reason(self, pid: int, code: int) -> str:
+        if code == UNKNOWN_EXIT:  # adopted: its exit status went to init
+            return f"mpirun (pid {pid}, adopted) exited"
         return f"mpirun (pid {pid}) exited with code {code}"
 
     async def watch_all(self) -> None:

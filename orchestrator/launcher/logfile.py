@@ -1,16 +1,20 @@
-"""Copy an instance's output (mpirun + every rank, tagged by rank) into a capped, rotated file.
+"""An instance's output (mpirun + every rank, tagged by rank) in a capped, rotated file.
 
-We read mpirun's stdout through a pipe instead of handing it the file so that
-the file can be rotated by size and the last lines are at hand for `status` and
-for the error printed when an instance fails to start.
+A local mpirun writes into the file itself (O_APPEND), so it outlives the daemon
+(live restore: no pipe whose reader could die). The file is rotated by copy and
+truncate (the writer's fd stays valid and its next write lands at the new end), and
+the last lines for `status` and for a failed start's error are read from its end.
+Slurm's srun still comes through a pipe (`pump`), into the same file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
+import shutil
 from pathlib import Path
+
+TAIL_BYTES = 64 * 1024
 
 
 class RotatingLog:
@@ -18,35 +22,45 @@ class RotatingLog:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
-        self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self._fh = open(path, "ab", buffering=0)
         os.chmod(path, 0o600)
-        self._size = self._fh.tell()
 
     def configure(self, max_bytes: int, backups: int) -> None:
         self.max_bytes = max_bytes
         self.backups = backups
 
+    def child_fd(self) -> int:
+        """The file's descriptor (O_APPEND) for a child's stdout and stderr."""
+        return self._fh.fileno()
+
     def write_line(self, line: bytes) -> None:
-        if self._size + len(line) > self.max_bytes:
-            self._rotate()
         self._fh.write(line)
-        self._size += len(line)
-        self._tail.append(line.decode(errors="replace").rstrip("\n"))
+        self.rotate_if_over()
 
     def note(self, text: str) -> None:
         """A line from the orchestrator itself (launch command, exit status)."""
         self.write_line(f"[trtllm-orch] {text}\n".encode())
 
     def tail(self, n: int = 20) -> list[str]:
-        return list(self._tail)[-n:]
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - TAIL_BYTES))
+                data = f.read(TAIL_BYTES)
+        except OSError:
+            return []
+        return [ln.decode(errors="replace") for ln in data.splitlines()[-n:]]
 
-    def _rotate(self) -> None:
-        self._fh.close()
-        shift_out(self.path, self.backups)
-        self._fh = open(self.path, "ab", buffering=0)
-        os.chmod(self.path, 0o600)
-        self._size = 0
+    def rotate_if_over(self) -> None:
+        """Copy, then truncate: whoever writes the file (mpirun) keeps writing, at its new end."""
+        if os.fstat(self._fh.fileno()).st_size <= self.max_bytes:
+            return
+        if self.backups:
+            for i in range(self.backups - 1, 0, -1):
+                src = self.path.with_name(f"{self.path.name}.{i}")
+                if src.exists():
+                    src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+            shutil.copyfile(self.path, self.path.with_name(f"{self.path.name}.1"))
+        os.ftruncate(self._fh.fileno(), 0)
 
     def close(self) -> None:
         self._fh.close()

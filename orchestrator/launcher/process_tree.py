@@ -49,13 +49,22 @@ class OsOps:
 
     async def spawn(self, argv: tuple[str, ...], env: dict[str, str], log_fd: int | None,
                     cwd: str | None = None) -> asyncio.subprocess.Process:
+        """Start argv in a session of its own.
+
+        log_fd None: its output comes through a pipe, and it dies with the daemon (parent-death
+        signal): Slurm's srun, whose steps the daemon cancels through Slurm. log_fd given: it
+        writes its output to that file (O_APPEND) and outlives the daemon: a local mpirun,
+        adopted by the next daemon (live restore), stopped only by `down` or a restart. A
+        pipe would not do for that: with its reader gone, the next line would kill it (EPIPE).
+        """
         # Parent-death signal through `setpriv` (same pid: it execs argv[0]) rather than a
         # preexec_fn: a preexec_fn forces fork() + Python code in the child, which runs the
         # daemon's pthread_atfork handlers; gRPC's (the gRPC proxy) restart its poller
         # thread in the child, and close_fds then makes it abort the child (SIGABRT,
         # "epoll_wait error: Bad file descriptor") before mpirun even starts. Without
         # a preexec_fn CPython uses vfork(), which runs no atfork handlers.
-        wrapper = _pdeathsig_wrapper()
+        outlives = log_fd is not None
+        wrapper = () if outlives else _pdeathsig_wrapper()
         if wrapper and shutil.which(argv[0]) is None:  # as exec would fail without the wrapper
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
         return await asyncio.create_subprocess_exec(
@@ -63,7 +72,7 @@ class OsOps:
             stdout=asyncio.subprocess.PIPE if log_fd is None else log_fd,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # own session and process group: killpg reaches all of it
-            preexec_fn=None if wrapper else _die_with_parent)
+            preexec_fn=None if wrapper or outlives else _die_with_parent)
 
     def kill(self, pid: int, sig: int) -> None:
         try:

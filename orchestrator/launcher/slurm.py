@@ -89,6 +89,10 @@ class SlurmGroup(ProcessGroup):
     """A ProcessGroup whose local process is `srun`: the same spawn, log pump and exit
     watch; its own launch checks, stop and (no) rank watch, as the ranks are remote."""
 
+    # srun dies with the daemon (its steps are cancelled through Slurm and relaunched by
+    # the next daemon): live restore covers local groups only.
+    outlives_daemon = False
+
     def __init__(self, plan: InstancePlan, state_dir: str, client: SlurmClient, ops: OsOps,
                  log_file: RotatingLog, on_trouble: Trouble, on_back: Callable[[], None],
                  recorded: asyncio.Event | None = None):

@@ -1,0 +1,167 @@
+"""Live restore: what a previous daemon left running that this one takes over.
+
+A daemon that dies (kill -9, a watchdog timeout, an upgrade) leaves its engines and
+its data-plane workers running: they are in sessions of their own and die with no
+parent (launcher/process_tree.py). The next daemon on the same state directory reads
+state.json, which the dead one kept current, and adopts each piece that is provably
+the same thing it would start now:
+
+  an instance group   its mpirun alive with the recorded start time (a recycled pid is
+                      not it), tagged with this state dir and instance id, launched with
+                      the command this config builds now (model repository, tritonserver
+                      arguments, GPUs, ports: all in the command text), every rank alive;
+  a data-plane worker alive with the recorded start time, tagged as this state dir's
+                      data plane, serving the same public addresses.
+
+What does not match is stopped by the usual sweep and started fresh (a changed config,
+a half-dead group with a rank gone). Decisions are logged one line each. A state file
+that cannot be read adopts nothing: the sweep by environment tag still finds and stops
+everything, as before live restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from orchestrator.launcher.adopted import still_running
+from orchestrator.launcher.command import ENV_INSTANCE, ENV_STATE_DIR, LaunchCommand
+from orchestrator.plan import InstancePlan
+
+log = logging.getLogger("trtllm-orch")
+ENV_ROLE = "TRTLLM_ORCH_ROLE"
+
+
+@dataclass(frozen=True)
+class Adoptable:
+    instance_id: str
+    mpirun_pid: int
+    create_time: float
+    started_by: str
+    pids: frozenset[int]  # every live process of the group: the sweep leaves them
+
+
+@dataclass(frozen=True)
+class AdoptableWorker:
+    slot: int
+    pid: int
+    create_time: float
+    version: str
+
+
+@dataclass
+class Prior:
+    """What the previous daemon left that this one adopts."""
+
+    instances: dict[str, Adoptable] = field(default_factory=dict)
+    workers: list[AdoptableWorker] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def keep_pids(self) -> set[int]:
+        keep = {w.pid for w in self.workers}
+        for group in self.instances.values():
+            keep |= group.pids
+        return keep
+
+
+def find_prior(state: dict[str, Any] | None, plans: Iterable[InstancePlan],
+               build_command: Callable[[InstancePlan], LaunchCommand], state_dir: str,
+               listen: dict[str, str], local_launcher: bool = True) -> Prior:
+    """What in `state` (state.json of the previous daemon) this daemon may adopt."""
+    prior = Prior()
+    if state is None:
+        return prior
+    if not isinstance(state, dict) or not isinstance(state.get("instances", {}), dict):
+        prior.notes.append("state.json unreadable: adopting nothing (its processes are swept by tag)")
+        return prior
+    if not local_launcher:
+        if state.get("instances"):
+            prior.notes.append("Slurm groups are relaunched, not adopted (srun died with the daemon)")
+        return prior
+    by_id = {p.instance_id: p for p in plans}
+    for iid, record in state.get("instances", {}).items():
+        why = _instance_mismatch(iid, record, by_id.get(iid), build_command, state_dir)
+        if isinstance(why, Adoptable):
+            prior.instances[iid] = why
+            prior.notes.append(f"instance {iid}: adopting mpirun pid {why.mpirun_pid} "
+                               f"(started by trtllm-orch {why.started_by or '?'})")
+        elif why:
+            prior.notes.append(f"instance {iid}: not adopted: {why}")
+    prior.workers, worker_notes = _workers(state.get("dataplane"), state_dir, listen)
+    prior.notes += worker_notes
+    return prior
+
+
+def _instance_mismatch(iid: str, record: Any, plan: InstancePlan | None,
+                       build_command: Callable[[InstancePlan], LaunchCommand], state_dir: str) -> Adoptable | str:
+    """An Adoptable, or why not ('' when there is nothing to say: no process recorded)."""
+    if not isinstance(record, dict) or not record.get("mpirun_pid"):
+        return ""
+    pid, created = record.get("mpirun_pid"), record.get("mpirun_create_time")
+    if not isinstance(pid, int) or not isinstance(created, (int, float)):
+        return "its record in state.json is incomplete"
+    if not still_running(pid, created):
+        return f"mpirun pid {pid} is gone"
+    if plan is None:
+        return "not in this config's plan"
+    if record.get("launch") != build_command(plan).shell_text():
+        return "its launch command differs from this config's (changed model repository, arguments or GPUs)"
+    if not _tagged(pid, state_dir, iid):
+        return f"pid {pid} does not carry this run's environment tag"
+    group = _group_processes(pid, state_dir, iid)
+    ranks = sum(1 for p in group if _name(p) == "tritonserver")
+    if ranks != plan.tp:
+        return f"half-dead: {ranks} of {plan.tp} tritonserver ranks alive"
+    return Adoptable(iid, pid, float(created), str(record.get("started_by") or ""),
+                     frozenset(p.pid for p in group) | {pid})
+
+
+def _workers(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[list[AdoptableWorker], list[str]]:
+    if not isinstance(record, dict) or not record.get("workers"):
+        return [], []
+    if record.get("listen") != listen:
+        return [], [f"data plane: not adopted: it serves {record.get('listen')}, this config {listen}"]
+    out, notes = [], []
+    for w in record["workers"]:
+        try:
+            worker = AdoptableWorker(int(w["slot"]), int(w["pid"]), float(w["create_time"]), str(w.get("version", "")))
+        except (KeyError, TypeError, ValueError):
+            notes.append("data plane: a worker's record is incomplete: not adopted")
+            continue
+        if still_running(worker.pid, worker.create_time) and _env(worker.pid).get(ENV_ROLE) == "dataplane" \
+                and _env(worker.pid).get(ENV_STATE_DIR) == state_dir:
+            out.append(worker)
+    if out:
+        notes.append(f"data plane: adopting {len(out)} worker(s): pids {', '.join(str(w.pid) for w in out)}")
+    return out, notes
+
+
+def _env(pid: int) -> dict[str, str]:
+    try:
+        return psutil.Process(pid).environ()
+    except (psutil.Error, OSError):
+        return {}
+
+
+def _tagged(pid: int, state_dir: str, iid: str) -> bool:
+    env = _env(pid)
+    return env.get(ENV_STATE_DIR) == state_dir and env.get(ENV_INSTANCE) == iid
+
+
+def _group_processes(root: int, state_dir: str, iid: str) -> list[psutil.Process]:
+    from orchestrator.launcher.process_tree import process_tree, tagged_processes
+    procs = {p.pid: p for p in tagged_processes(state_dir, iid)}
+    for p in process_tree(root):
+        procs.setdefault(p.pid, p)
+    return list(procs.values())
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
