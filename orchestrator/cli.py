@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     restart.add_argument("instance_id", metavar="ID")
     reload = sub.add_parser("reload", help="rolling restart: one instance at a time, re-reading --config")
     _add_state_dir(reload)
+    upgrade = sub.add_parser("upgrade", help="replace the daemon by the installed code; engines and the "
+                                            "endpoint keep serving and are adopted (live restore)")
+    _add_state_dir(upgrade)
+    upgrade.add_argument("--timeout-s", type=float, default=120.0, help="how long to wait for the new daemon")
     logs = sub.add_parser("logs", help="print an instance's log")
     _add_state_dir(logs)
     logs.add_argument("instance_id", metavar="ID")
@@ -432,6 +437,36 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    """The running daemon detaches (exits, leaving its engines and data-plane workers
+    serving); a daemon of the code installed now starts with the same command line and
+    adopts them. Under systemd the unit's Restart= starts it (the old daemon exits 75)."""
+    from orchestrator.controlplane.control_socket import call_sync
+    from orchestrator.detach import wait_ready
+    sd = _state_dir_of(args)
+    _, status = call_sync(sd.socket_path, "GET", "/status")
+    old = status["daemon"]
+    state = sd.read_state() or {}
+    argv = state.get("argv")
+    if not isinstance(argv, list) or not argv or argv[0] != "up":
+        raise OrchError(f"{sd.state_path}: no `up` command line recorded: cannot start the new daemon")
+    call_sync(sd.socket_path, "POST", "/detach")
+    deadline = time.monotonic() + args.timeout_s
+    while sd.lock_holder() and time.monotonic() < deadline:  # the old daemon writes its record and exits
+        time.sleep(0.05)
+    if sd.lock_holder():
+        raise OrchError(f"daemon pid {old['pid']} did not detach within {args.timeout_s:g}s")
+    if not state.get("systemd"):
+        log = open(sd.daemon_log_path, "ab")
+        subprocess.Popen([sys.executable, "-m", "orchestrator", *argv], stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=subprocess.STDOUT, start_new_session=True, cwd=state.get("cwd") or None)
+    new = wait_ready(sd, args.timeout_s, lambda s: s["daemon"]["pid"] != old["pid"])
+    print(f"upgraded: daemon pid {old['pid']} (trtllm-orch {old.get('version', '?')}) -> pid "
+          f"{new['daemon']['pid']} (trtllm-orch {new['daemon'].get('version', '?')}); "
+          f"{sum(1 for i in new['instances'] if i.get('adopted'))}/{new['total']} instances adopted")
+    return EXIT_OK
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     from orchestrator.logs import show_logs
     return show_logs(_state_dir_of(args), args.instance_id, args.rank, args.lines, args.follow)
@@ -453,7 +488,7 @@ def cmd_install_service(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"up": cmd_up, "plan": cmd_plan, "status": cmd_status, "top": cmd_top, "down": cmd_down,
-            "restart": cmd_restart, "reload": cmd_reload, "logs": cmd_logs,
+            "restart": cmd_restart, "reload": cmd_reload, "upgrade": cmd_upgrade, "logs": cmd_logs,
             "render-nginx": cmd_render_nginx, "install-service": cmd_install_service}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from orchestrator.config import Settings
 from orchestrator.controlplane.control_socket import call_sync
@@ -40,6 +41,25 @@ def run_detached(argv: list[str], settings: Settings, sd: StateDir) -> int:
             return 0
         time.sleep(0.2)
     raise OrchError(f"not ready within {settings.startup_timeout_s + 30:g}s; see {sd.daemon_log_path}")
+
+
+def wait_ready(sd: StateDir, timeout_s: float, which: Callable[[dict], bool] = lambda s: True) -> dict:
+    """The status of the daemon on `sd` once `which(status)` holds and every instance is
+    ready (an upgrade: the new daemon, its instances adopted)."""
+    deadline = time.monotonic() + timeout_s
+    last: dict | None = None
+    while time.monotonic() < deadline:
+        try:
+            _, last = call_sync(sd.socket_path, "GET", "/status", timeout_s=5)
+        except DaemonNotRunning:
+            time.sleep(0.1)
+            continue
+        if which(last) and last["ready"] >= last["total"]:
+            return last
+        time.sleep(0.1)
+    raise OrchError(f"no ready daemon within {timeout_s:g}s (last status: "
+                    f"{(last or {}).get('ready', 0)}/{(last or {}).get('total', '?')} ready); see {sd.daemon_log_path}\n"
+                    + _tail(sd))
 
 
 def _tail(sd: StateDir, n: int = 15) -> str:

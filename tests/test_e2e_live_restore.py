@@ -144,3 +144,37 @@ def test_a_state_file_that_cannot_be_read_adopts_nothing_and_sweeps(orch_run):
     after = engine_pids(run.status())
     assert not set(after.values()) & set(engines.values())
     assert not any(psutil.pid_exists(p) and alive(psutil.Process(p)) for p in engines.values())
+
+
+def test_upgrade_replaces_the_daemon_and_adopts_under_load(orch_run):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2")).start()
+    before = run.status()
+    streams = [Streams(run)]
+    with Load(run, threads=3) as load:
+        streams[0].start()
+        time.sleep(0.5)
+        out = run.cli("upgrade", "--state-dir", str(run.state_dir), timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert run.proc.wait(timeout=10) == 75  # the old daemon detached
+        time.sleep(0.5)
+        streams[0].stop.set()
+    streams[0].join(60)
+    after = run.status()
+    assert "upgraded: daemon pid" in out.stdout and "2/2 instances adopted" in out.stdout, out.stdout
+    assert after["daemon"]["pid"] != before["daemon"]["pid"] and after["daemon"]["version"]
+    assert engine_pids(after) == engine_pids(before) and worker_pids(after) == worker_pids(before)
+    assert load.failures == [] and streams[0].cut == []
+    assert run.cli("down", "--state-dir", str(run.state_dir), timeout=120).returncode == 0
+
+
+def test_sigusr2_detaches_and_leaves_everything_serving(orch_run):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2).start()
+    before = run.status()
+    os.kill(before["daemon"]["pid"], signal.SIGUSR2)
+    assert run.proc.wait(timeout=30) == 75
+    from tests.test_e2e_faults import post
+    code, _ = post(run.url("/v2/models/ensemble/generate"))  # no daemon: still served
+    assert code == 200
+    assert json.loads((run.state_dir / "state.json").read_text())["instances"]
+    run.start()
+    assert engine_pids(run.status()) == engine_pids(before)

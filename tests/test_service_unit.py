@@ -56,7 +56,7 @@ def test_unit_fields(tmp_path: Path) -> None:
     assert k["ExecReload"] == [f"{exe} reload --state-dir /run/trtllm-orch"]
     assert "ExecStop" not in k and "User" not in k
     for key, value in (("Restart", "on-failure"), ("RestartSec", "5"), ("WatchdogSec", "30"),
-                       ("TimeoutStartSec", "1800"), ("KillMode", "mixed"), ("RuntimeDirectory", "trtllm-orch"),
+                       ("TimeoutStartSec", "1800"), ("KillMode", "process"), ("RuntimeDirectory", "trtllm-orch"),
                        ("RuntimeDirectoryMode", "0700"), ("LimitMEMLOCK", "infinity"),
                        ("LimitSTACK", "67108864"), ("Wants", "network-online.target"),
                        ("After", "network-online.target nvidia-persistenced.service"),

@@ -25,6 +25,8 @@ class ControlTarget(Protocol):
 
     def request_stop(self, reason: str) -> None: ...
 
+    def request_detach(self, reason: str) -> None: ...
+
     def restart_instance(self, instance_id: str) -> str | None: ...
 
     async def reload(self, why: str) -> bool: ...
@@ -40,6 +42,7 @@ class ControlServer:
         app = web.Application()
         app.router.add_get("/status", self._status)
         app.router.add_post("/down", self._down)
+        app.router.add_post("/detach", self._detach)
         app.router.add_post("/restart/{id}", self._restart)
         app.router.add_post("/reload", self._reload)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -64,6 +67,10 @@ class ControlServer:
     async def _down(self, request: web.Request) -> web.Response:
         self._daemon.request_stop("down requested")
         return web.json_response({"stopping": True}, status=202)
+
+    async def _detach(self, request: web.Request) -> web.Response:
+        self._daemon.request_detach("detach requested (upgrade)")
+        return web.json_response({"detaching": True}, status=202)
 
     async def _restart(self, request: web.Request) -> web.Response:
         iid = request.match_info["id"]

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class Daemon:
         # renders from a task of its own that the daemon owns.
         self._progress = progress
         self._prior = Prior()  # what the previous daemon left for us to adopt (run() reads it)
+        self.detached = False  # the daemon left its engines and workers to the next one
+        self._argv = [a for a in sys.argv[1:] if a != "--detach"]
 
     # --- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -104,7 +107,8 @@ class Daemon:
                 log.warning("stopped %d process(es) left by a previous daemon: %s", len(left), left)
             return await self._run_locked()
         finally:
-            sd.clear_state()
+            if not self.detached:  # detached: the next daemon adopts from this record
+                sd.clear_state()
             sd.release_lock()
 
     def _find_prior(self) -> Prior:
@@ -159,6 +163,9 @@ class Daemon:
             failure = await self._until_stop_or_failure([*supervisors.values(), *background])
             if failure is not None:
                 raise failure
+            if self.detached:
+                await self._detach(supervisors)
+                return EXIT_DETACHED
             log.info("stopping: %s", self._stop_reason)
             if self._notifier is not None:
                 self._notifier.stopping()
@@ -218,6 +225,29 @@ class Daemon:
             self._stop_reason = reason
             self._stop.set()
 
+    def request_detach(self, reason: str) -> None:
+        """Exit and leave the engines and the data-plane workers serving (an upgrade: the
+        next daemon, maybe newer code, adopts them). Local groups and the embedded data
+        plane only: Slurm steps and a managed NGINX stop as on `down`."""
+        if not self._stop.is_set():
+            self.detached = True
+            self.request_stop(reason)
+
+    async def _detach(self, supervisors: dict[str, asyncio.Task]) -> None:
+        log.info("detaching (%s): engines and data-plane workers keep serving for the next daemon",
+                 self._stop_reason)
+        if self._notifier is not None:
+            self._notifier.stopping()
+            self._notifier.status(f"detached: {self._stop_reason}")
+        await self._cancel(self._reload_task)
+        for task in supervisors.values():
+            await self._cancel(task)  # the supervisor goes, its group runs on
+        for proxy in self.proxies:
+            detach = getattr(proxy, "detach", None)
+            await (detach() if detach is not None else proxy.stop(5.0))
+        # The record the next daemon adopts from, written now and whole.
+        await asyncio.to_thread(self.state_dir.write_state, self.state_record())
+
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
         # Handlers only record the signal; the loop acts on it (uvicorn's rule).
         def on_term(signame: str) -> None:
@@ -234,6 +264,9 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_term, sig.name)
         loop.add_signal_handler(signal.SIGHUP, on_hup)
+        # SIGUSR2: exit, leaving engines and workers to the next daemon (an upgrade under
+        # systemd: `systemctl kill -s USR2`, then Restart= starts the new code, which adopts).
+        loop.add_signal_handler(signal.SIGUSR2, self.request_detach, "SIGUSR2 received")
 
     # --- load balancer ---------------------------------------------------------------
     async def _start_proxies(self) -> None:
@@ -276,6 +309,8 @@ class Daemon:
         return {"daemon_pid": os.getpid(),
                 "daemon_create_time": self._create_time,
                 "version": __version__,
+                # `upgrade` starts the new daemon with this command line (or systemd does).
+                "argv": self._argv, "cwd": os.getcwd(), "systemd": bool(os.environ.get("INVOCATION_ID")),
                 "proxy_pids": proxy_pids,
                 "dataplane": dataplane,
                 "instances": {i.id: i.state_record() for i in self.instances.values()}}
@@ -299,7 +334,8 @@ class Daemon:
             instances.append(entry)
         s = self.settings
         return {
-            "daemon": {"pid": os.getpid(), "uptime_s": round(time.monotonic() - self._started, 1),
+            "daemon": {"pid": os.getpid(), "version": __version__,
+                       "uptime_s": round(time.monotonic() - self._started, 1),
                        "state_dir": str(self.state_dir.root), "proxy": s.proxy,
                        "listen": s.listen if s.proxy != "none" else "",
                        "grpc_listen": s.grpc_listen if s.proxy != "none" else "",
@@ -468,6 +504,9 @@ class Daemon:
 
 
 LOG_CHECK_S = 2.0
+# The exit status of a detached daemon: EX_TEMPFAIL, so systemd's Restart=on-failure
+# starts the (new) daemon, which adopts what this one left.
+EXIT_DETACHED = 75
 
 
 def _make_notifier():

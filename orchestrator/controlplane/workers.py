@@ -53,7 +53,7 @@ from orchestrator.launcher.command import ENV_STATE_DIR
 from orchestrator.routing.backends import Backend, ReadyBackends
 
 START_TIMEOUT_S = 30.0
-HANDOVER_TIMEOUT_S = 5.0  # a worker's feed client retries every <= 2 s
+HANDOVER_TIMEOUT_S = 5.0  # a worker's feed client retries every <= 0.5 s
 STABLE_S = 10.0
 BACKOFF_MAX_S = 5.0
 LISTEN_BACKLOG = 4096
@@ -130,7 +130,8 @@ class WorkerPool:
                 await self._start_feed()
             self._write_settings()
             self._unsubscribe = self._backends.subscribe(self._on_members)
-            await self._grow(s.worker_count())
+            if self._resize_task is None:  # adopting: _after_handover grows once it has the sockets
+                await self._grow(s.worker_count())
         except BaseException:
             await self.stop(0)
             raise
@@ -168,19 +169,30 @@ class WorkerPool:
             slot.task = asyncio.get_running_loop().create_task(self._supervise(slot),
                                                                name=f"dataplane-worker-{w.slot}")
         self._handover = asyncio.get_running_loop().create_task(self._receive_sockets(), name="dataplane-handover")
-        await self._start_feed()  # the workers reconnect (their feed client retries every <= 2 s)
+        await self._start_feed()  # the workers reconnect (their feed client retries every <= 0.5 s)
+        # The sockets are needed only to start a worker: the adopted ones serve meanwhile,
+        # and the daemon goes on adopting its instances without waiting for them.
+        self._resize_task = asyncio.get_running_loop().create_task(self._after_handover(), name="dataplane-adopt")
+        return True
+
+    async def _after_handover(self) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._got_sockets.wait(), HANDOVER_TIMEOUT_S)
+        s = self._settings
         if not self._sockets:
             self._log.warning("live restore: no worker handed its sockets over in %.0fs: they are "
                               "stopped, new ones started", HANDOVER_TIMEOUT_S)
             await self._retire(list(self._slots.values()), 0)
-            await self._feed.stop()
-            self._table.close()
-            self._table, self._feed, self._adopting = None, None, False
-            return False
-        self._log.info("live restore: adopted %d data-plane worker(s) and their sockets", len(self._slots))
-        return True
+            try:
+                self._sockets["listen"] = bind_listener(s.listen, "--listen")
+                if s.metrics_listen:
+                    self._sockets["metrics_listen"] = bind_listener(s.metrics_listen, "--metrics-listen")
+            except OrchError as exc:
+                self._log.error("live restore: the data plane cannot start: %s", exc)
+                return
+        else:
+            self._log.info("live restore: adopted %d data-plane worker(s) and their sockets", len(self._slots))
+        await self._resize(s.worker_count())
 
     async def _stop_strays(self) -> None:
         for w in self._adopt:
@@ -247,6 +259,27 @@ class WorkerPool:
             self._table.close()
             self._table = None
 
+    async def detach(self) -> None:
+        """Leave the workers serving for the next daemon (live restore): close only what is
+        this daemon's (the feed, its copies of the sockets, its view of the table)."""
+        self._stopping = True
+        for task in [self._handover, self._resize_task, *(s.task for s in self._slots.values())]:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._feed is not None:
+            await self._feed.stop()
+            self._feed = None
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+
     # --- workers -----------------------------------------------------------------------------
     async def _grow(self, count: int) -> None:
         """Fill slots 0..count-1 that have no worker, and wait until each listens."""
@@ -293,7 +326,7 @@ class WorkerPool:
         log_path = self._dir / f"worker-{slot.index}.log"
         with open(log_path, "ab") as log:
             # Its own session: a signal to the daemon's process group (Ctrl-C, systemd's
-            # KillMode=mixed SIGTERM) is not the worker's; the daemon stops it explicitly.
+            # systemctl stop's SIGTERM) is not the worker's; the daemon stops it explicitly.
             slot.proc = await asyncio.create_subprocess_exec(
                 *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
                 pass_fds=tuple(fds.values()), start_new_session=True)

@@ -38,7 +38,7 @@ Message = dict[str, Any]
 # it reconnects.
 MAX_BACKLOG_BYTES = 8 * 1024 * 1024
 RECONNECT_MIN_S = 0.1
-RECONNECT_MAX_S = 2.0
+RECONNECT_MAX_S = 0.5  # a new daemon (live restore) waits for the first worker's socket handover
 MAX_LINE = 1024 * 1024
 
 
