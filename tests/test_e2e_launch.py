@@ -112,7 +112,7 @@ def test_sigkill_daemon_then_down_leaves_no_orphan(orch_run):
     run.proc.wait(timeout=10)
     out = run.down()
     assert out.returncode == 0, out.stderr
-    # Whether the kernel's parent-death signal or `down`'s sweep got them, none may be left.
+    # They outlive the daemon (live restore): `down`'s sweep must find and stop every one.
     time.sleep(0.2)
     alive = [p for p in pids if running(p)]
     assert alive == []
