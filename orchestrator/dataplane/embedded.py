@@ -388,7 +388,12 @@ class EmbeddedProxy:
 
     async def _forward(self, request: web.BaseRequest, path: str, query: str,
                        stream: bool, call: NativeCall | None = None) -> web.StreamResponse:
-        """`call`: an OpenAI request, already read and translated (body, timer, relay)."""
+        """`call`: an OpenAI request, already read and translated (body, timer, relay).
+
+        Long on purpose (the hot path: every request runs it once per attempt): hold, pick,
+        send and the retry decision share a dozen locals, and splitting them into helpers
+        costs a coroutine frame or a tuple per request in what the flame graph
+        (bench/results/dataplane_bench-*-worker.svg) shows is already the worker's cost."""
         if call is None:
             body = await self._read_body(request)
             if not isinstance(body, bytes):

@@ -355,6 +355,9 @@ class GrpcProxy:
 
     async def _stream_attempts(self, method: str, metadata: Any, inbox: "_Inbox",
                                context: grpc.aio.ServicerContext) -> None:
+        """A stream's attempts: pick, open, relay messages both ways, retry before the first
+        answer. Long on purpose (every ModelStreamInfer message passes through its loop):
+        the relay's state stays in locals."""
         tried: set[str] | None = None
         last: grpc.aio.AioRpcError | None = None
         # The first request message (kept for the replay) starts the generation's clock: a

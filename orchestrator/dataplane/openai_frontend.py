@@ -285,7 +285,11 @@ class OpenAIFrontend:
 
     async def _relay_stream(self, tr: Translation, facts: ModelFacts, prompt: str, request: web.BaseRequest,
                             up: aiohttp.ClientResponse, b: Backend, peeked: Any, timer: Any) -> web.StreamResponse:
-        """`generate_stream` events -> OpenAI chunks, committed at the first event."""
+        """`generate_stream` events -> OpenAI chunks, committed at the first event.
+
+        Long on purpose: the per-event loop (decode, translate, write, time the token) runs
+        for every token of every OpenAI stream; its state stays in locals, not in a helper
+        object each event would go through."""
         if up.status != 200 or not up.headers.get("Content-Type", "").startswith("text/event-stream"):
             return await self._relay_whole(tr, facts, prompt, request, up, b, peeked, timer)
         iid = b.instance_id
