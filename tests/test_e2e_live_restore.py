@@ -49,6 +49,55 @@ class Streams(threading.Thread):
                 self.cut.append(repr(exc))
 
 
+class Loop(threading.Thread):
+    """One client calling `once()` in a loop; every exception or wrong answer is a failure."""
+
+    def __init__(self, once) -> None:
+        super().__init__(daemon=True)
+        self.once = once
+        self.ok = 0
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.once()
+                self.ok += 1
+            except Exception as exc:  # noqa: BLE001: any way a call can fail counts
+                self.failures.append(repr(exc)[:200])
+
+
+def grpc_client(run) -> Loop:
+    """Unary ModelInfer through the endpoint's gRPC port (the preprocessing model)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{run.grpc_port}")
+
+    def once() -> None:
+        inputs = []
+        for name, value, dtype in (("QUERY", b"grpc", "BYTES"), ("REQUEST_OUTPUT_LEN", 2, "INT32"),
+                                   ("BAD_WORDS_DICT", b"", "BYTES"), ("STOP_WORDS_DICT", b"", "BYTES")):
+            arr = np.array([[value]], dtype=object if dtype == "BYTES" else np.int32)
+            t = grpcclient.InferInput(name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        res = client.infer("preprocessing", inputs, client_timeout=30)
+        assert res.as_numpy("INPUT_ID").reshape(-1).tolist() == list(b"grpc")
+    return Loop(once)
+
+
+def openai_client(run) -> Loop:
+    body = json.dumps({"model": "ensemble", "prompt": "an OpenAI call", "max_tokens": 4}).encode()
+
+    def once() -> None:
+        req = urllib.request.Request(run.url("/v1/completions"), data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert json.loads(resp.read())["choices"][0]["text"]
+    return Loop(once)
+
+
 def engine_pids(status: dict) -> dict[str, int]:
     return {i["id"]: i["mpirun_pid"] for i in status["instances"]}
 
@@ -63,13 +112,13 @@ def kill_daemon(run) -> None:
 
 
 def test_kill_9_of_the_daemon_under_load_loses_nothing_and_the_next_up_adopts(orch_run):
-    run = orch_run(gpus="0-3", tp=2, assume_gpus=4, extra=("--proxy-workers", "2")).start()
+    run = orch_run(gpus="0-3", tp=1, assume_gpus=4, extra=("--proxy-workers", "2")).start()
     before = run.status()
     engines, workers = engine_pids(before), worker_pids(before)
-    streams = [Streams(run) for _ in range(2)]
-    with Load(run, threads=3) as load:
-        for s in streams:
-            s.start()
+    clients = [Streams(run), Streams(run), grpc_client(run), openai_client(run)]
+    with Load(run, threads=2) as load:
+        for c in clients:
+            c.start()
         time.sleep(1.0)
         kill_daemon(run)
         served_at_kill = load.ok
@@ -79,20 +128,22 @@ def test_kill_9_of_the_daemon_under_load_loses_nothing_and_the_next_up_adopts(or
         run.start()  # the same `up`, same state directory
         adopted_in = time.monotonic() - t0
         time.sleep(1.0)
-        for s in streams:
-            s.stop.set()
-    for s in streams:
-        s.join(60)
+        for c in clients:
+            c.stop.set()
+    for c in clients:
+        c.join(60)
     after = run.status()
+    streams, grpc_loop, openai_loop = clients[:2], clients[2], clients[3]
     assert load.failures == [], load.failures[:5]
     assert [s.cut for s in streams] == [[], []]
-    assert sum(s.done for s in streams) > 0
+    assert grpc_loop.failures == [] and openai_loop.failures == [], (grpc_loop.failures[:3], openai_loop.failures[:3])
+    assert all(c.done if isinstance(c, Streams) else c.ok for c in clients)
     assert engine_pids(after) == engines  # the same engines: nothing reloaded
     assert all(i["adopted"] and i["restarts"] == 0 and i["state"] == "READY" for i in after["instances"])
     assert worker_pids(after) == workers  # the same worker processes, still serving
     assert adopted_in < 15, adopted_in
-    print(f"adopted and ready {adopted_in:.2f}s after the new up; {load.ok} requests, "
-          f"{sum(s.done for s in streams)} streams, 0 failed")
+    print(f"4 instances adopted and ready {adopted_in:.2f}s after the new up; {load.ok} HTTP, "
+          f"{sum(s.done for s in streams)} streams, {grpc_loop.ok} gRPC, {openai_loop.ok} OpenAI requests, 0 failed")
 
 
 def test_a_changed_config_is_relaunched_not_adopted(orch_run):

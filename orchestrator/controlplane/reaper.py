@@ -76,21 +76,30 @@ async def sweep_leftovers(sd: StateDir, ops: OsOps, grace_s: float, slurm_steps:
 
 
 def _sweep_shm() -> None:
-    for path in glob.glob("/dev/shm/orch_i*_r*_*"):
-        # Only regions whose owners are gone; our prefixes are unique to this tool.
+    regions = glob.glob("/dev/shm/orch_i*_r*_*")
+    if not regions:
+        return
+    in_use = _mapped_shm_paths()  # one scan of every process's maps, not one per region
+    for path in regions:
+        # Only regions whose owners are gone; our prefixes are unique to this tool. Live
+        # ones belong to groups this daemon adopts (live restore), or to another state dir.
         try:
-            if os.stat(path).st_uid == os.geteuid() and not _shm_in_use(path):
+            if os.stat(path).st_uid == os.geteuid() and path not in in_use:
                 os.unlink(path)
         except OSError:
             pass
 
 
-def _shm_in_use(path: str) -> bool:
-    for proc in psutil.process_iter(["pid"]):
+def _mapped_shm_paths() -> set[str]:
+    """Every /dev/shm file some process maps now (its /proc/PID/maps)."""
+    out: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
-            for m in proc.memory_maps(grouped=True):
-                if m.path == path:
-                    return True
-        except psutil.Error:
+            with open(maps, "rb") as f:
+                for line in f:
+                    i = line.find(b"/dev/shm/")
+                    if i >= 0:
+                        out.add(line[i:].rstrip(b"\n").decode(errors="replace").removesuffix(" (deleted)"))
+        except OSError:
             continue
-    return False
+    return out
