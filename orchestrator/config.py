@@ -177,6 +177,10 @@ class Settings:
     stall_after_s: float = opt(10.0, "an engine whose iteration counter stays frozen this long with "
                                "active requests is suspect: canary, then restart (0 disables)",
                                group="health", metavar="S")
+    silent_after_s: float = opt(0.6, "an instance whose metrics port answers nothing this long (its "
+                                "processes stopped, its node or the link to it gone) leaves rotation at "
+                                "once; the requests waiting on it are retried on others, then a canary "
+                                "decides (needs --engine-poll-s; 0 disables)", group="health", metavar="S")
     outlier_failures: int = opt(5, "consecutive proxy-seen failures that eject an instance",
                                 group="health", metavar="N")
     backoff_initial_s: float = opt(1.0, "first restart delay after a repeat failure", group="health",
@@ -214,7 +218,7 @@ class Settings:
             positive(name)
         for name in ("canary_interval_s", "canary_idle_s", "backoff_initial_s", "backoff_max_s",
                      "stable_after_s", "ready_min", "log_backups", "engine_poll_s", "stall_after_s",
-                     "hold_s", "max_held", "first_byte_timeout_s"):
+                     "silent_after_s", "hold_s", "max_held", "first_byte_timeout_s"):
             positive(name, allow_zero=True)
         if self.bind_interface:
             if self.bind_address != "127.0.0.1":

@@ -86,9 +86,11 @@ class FakeChecks:
         await asyncio.sleep(0)
         return self._next(self.probes)
 
-    async def monitor_engine(self, view, period_s, stall_after_s, on_stall) -> None:
+    async def monitor_engine(self, view, period_s, stall_after_s, on_stall, silent_after_s=0.0,
+                             on_silent=None) -> None:
         self.calls.append("monitor")
         self.on_stall = on_stall  # a test calls it to play a stalled engine
+        self.on_silent = on_silent  # ... or one that stopped answering
         await asyncio.Event().wait()  # until the instance cancels it
 
     async def canary(self, model, body, deadline_s) -> ProbeResult:

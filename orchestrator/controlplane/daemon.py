@@ -127,7 +127,8 @@ class Daemon:
             return ProcessGroup(plan, root, self._ops, watcher, self._gpu_holders, log_file, on_trouble)
 
         return Shared(self.settings, self.state_dir, self._build_command, make_group,
-                      lambda backend: InstanceChecks(session, backend.http_url, backend.metrics_url))
+                      lambda backend: InstanceChecks(session, backend.http_url, backend.metrics_url),
+                      abort_upstream=self._abort_upstream)
 
     async def _run_locked(self) -> int:
         loop = asyncio.get_running_loop()
@@ -276,6 +277,14 @@ class Daemon:
                                     adopt=self._prior.workers)
         for proxy in self.proxies:
             await proxy.start()
+
+    def _abort_upstream(self, backend: Any, reason: str, answering: bool) -> None:
+        """An instance stopped answering: every proxy fails what it has in flight there (the
+        data-plane workers through their feed), so no client waits for an idle timeout."""
+        for proxy in self.proxies:
+            abort = getattr(proxy, "abort_instance", None)  # NGINX cannot: its timeouts decide
+            if abort is not None:
+                abort(backend.host, backend.http_port, reason, answering)
 
     def _proxy_changed(self) -> None:
         # A proxy's own process changed (nginx died or was restarted): state.json must name

@@ -64,6 +64,10 @@ class Shared:
     make_group: GroupFactory
     make_checks: Callable[[Backend], InstanceChecks]
     generation: int = 1  # bumped by every applied reload; status shows what each instance runs
+    # Tells the data plane to fail the requests in flight to an instance that stopped
+    # answering (backend, reason, answering): those still waiting for an answer, which are
+    # retried elsewhere, and with answering=True also the answers arriving (streams, cut).
+    abort_upstream: Callable[[Backend, str, bool], None] = lambda backend, reason, answering: None
 
 
 class _Command:
@@ -93,6 +97,7 @@ class Instance:
         self._command: str | None = None
         self._trouble: str | None = None
         self._suspect: str | None = None
+        self._silent: str | None = None  # the engine monitor heard nothing from it (see silent())
         self.dir = shared.state_dir.make_instance_dir(self.id)
         self._log = RotatingLog(self.dir / "instance.log", self._s.log_max_bytes, self._s.log_backups)
         self.policy = RestartPolicy(self._s.backoff_initial_s, self._s.backoff_max_s,
@@ -197,6 +202,17 @@ class Instance:
             self._move(State.UNHEALTHY, reason)
             self._wake.set()
 
+    def silent(self, reason: str) -> None:
+        """Nothing answered for --silent-after-s (its processes stopped, its node or the link
+        to it gone): out of rotation now, and the requests waiting on it are retried on the
+        others (no byte of their answers reached a client). A canary decides, as after a
+        passive ejection; if the instance is torn down still silent, its streams are cut."""
+        if self.state not in (State.READY, State.UNHEALTHY):
+            return
+        self._silent = reason
+        self.suspect(reason)  # READY -> UNHEALTHY: the data plane's set loses it first
+        self._shared.abort_upstream(self.backend, reason, False)
+
     def apply_settings(self, settings: Settings) -> None:
         """A reload. Health, backoff and canary knobs apply now; the launch command (model
         repository, tritonserver args) applies at this instance's next launch."""
@@ -217,6 +233,7 @@ class Instance:
             self.launches += 1
         if new == State.READY:
             self.passive.reset()  # a fresh or re-admitted instance starts with a clean streak
+            self._silent = None
         level = logging.WARNING if new in (State.UNHEALTHY, State.FAILED, State.BACKOFF) else logging.INFO
         log.log(level, "instance=%s gpus=%s %s -> %s: %s", self.id, self.plan.cuda_visible_devices,
                 old.value, new.value, reason)
@@ -265,6 +282,9 @@ class Instance:
         if self.state == State.READY and failure:
             self._move(State.UNHEALTHY, failure)  # READY -> UNHEALTHY
         self._move(State.STOPPING, reason)  # * -> STOPPING
+        if failure and (self._silent or getattr(self.group, "unavailable", None)):
+            # Nothing will come from it: no idle timeout should keep a client waiting on it.
+            self._shared.abort_upstream(self.backend, failure, True)
         await self._stop_engine_monitor()
         await self.group.stop(self._s.stop_grace_s, failed=failure is not None)
         self.ready_at = None
@@ -306,6 +326,7 @@ class Instance:
         """Launch the group and wait for READY. Returns a failure reason, or None when ready."""
         self._trouble = None
         self._suspect = None
+        self._silent = None
         s, shared = self._s, self._shared
         cmd = shared.build_command(self.plan)  # read now: a reload may have replaced it
         self.started_at = time.monotonic()
@@ -350,7 +371,8 @@ class Instance:
         if self._s.engine_poll_s <= 0:
             return
         self._engine_monitor = asyncio.get_running_loop().create_task(
-            self.checks.monitor_engine(self.engine, self._s.engine_poll_s, self._s.stall_after_s, self.suspect),
+            self.checks.monitor_engine(self.engine, self._s.engine_poll_s, self._s.stall_after_s, self.suspect,
+                                       self._s.silent_after_s, self.silent),
             name=f"engine-monitor-{self.id}")
 
     async def _stop_engine_monitor(self) -> None:

@@ -420,6 +420,13 @@ class WorkerPool:
         os.replace(tmp, self._settings_file)
 
     # --- the feed ------------------------------------------------------------------------------
+    def abort_instance(self, host: str, port: int, reason: str, answering: bool) -> None:
+        """An instance stopped answering: every worker fails its requests in flight there
+        (EmbeddedProxy.abort_instance)."""
+        if self._feed is not None:
+            self._feed.broadcast({"t": "abort", "host": host, "port": port, "reason": reason,
+                                  "answering": answering})
+
     def _on_connect(self, slot_index: int, hello: dict[str, Any]) -> list[dict[str, Any]]:
         slot = self._slots.get(slot_index)
         if slot is not None:

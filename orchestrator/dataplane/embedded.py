@@ -279,6 +279,17 @@ class EmbeddedProxy:
         if self._openai is not None:
             await self._openai.stop()
 
+    def abort_instance(self, host: str, port: int, reason: str, answering: bool) -> None:
+        """The daemon says an instance stopped answering (it is out of the ready set already):
+        requests waiting on it are retried on others now, and with `answering` its streams
+        are cut, instead of waiting for --idle-timeout-s."""
+        if self._pool is not None:
+            failed = self._pool.abort(host, port, reason, answering=answering)
+            if failed:
+                self._log.warning("instance %s:%d stopped answering (%s): %d request(s) in flight there "
+                                  "ended (%s)", host, port, reason, failed,
+                                  "streams cut, the rest retried on others" if answering else "retried on others")
+
     def inflight(self) -> dict[str, int]:
         out = {b.instance_id: 0 for b in self._backends.current()}
         out.update(self._balancer.inflight)

@@ -7,6 +7,7 @@ is, and from then on:
     daemon -> worker   members   the ready set (addresses), whole, on every change
                        engine    one instance's engine snapshot, as scraped (10 Hz)
                        settings  the proxy knobs after a reload
+                       abort     an instance stopped answering: fail what waits on it
                        drain     stop accepting, finish what is in flight, exit
     worker -> daemon   hello     slot, pid, version, listening ports (first line)
                        health    a passive outcome: failure (each), ok (after a failure)

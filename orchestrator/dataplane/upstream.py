@@ -519,6 +519,26 @@ class UpstreamPool:
         if soonest is not None and not self.closed:
             self._sweeper = self._loop.call_at(soonest, self._sweep)
 
+    def abort(self, host: str, port: int, reason: str, *, answering: bool) -> int:
+        """Fail the requests in flight to one instance that stopped answering (its process
+        stopped, its node or the link gone: nothing refuses or closes, so they would wait for
+        the idle timeout). Those still waiting for the response head fail as Disconnected,
+        which the proxy retries elsewhere; with `answering`, also those whose answer is
+        arriving, which the relay cuts. Its idle connections are closed. Returns how many
+        requests failed."""
+        failed = 0
+        for conn in [c for c in self._all if c.key == (host, port)]:
+            r = conn.response
+            if r is None:
+                conn.close()  # idle: never send another request down it
+            elif not r._head_done:
+                r._fail(Disconnected(f"instance {host}:{port} stopped answering: {reason}"))
+                failed += 1
+            elif answering:
+                r._fail(aiohttp.ClientPayloadError(f"instance {host}:{port} stopped answering: {reason}"))
+                failed += 1
+        return failed
+
     def open_connections(self) -> int:
         return len(self._all)
 

@@ -156,6 +156,11 @@ class Worker:
             self._apply(settings_from_json(msg["settings"]))
         elif kind == "send_sockets":
             self._send_sockets(str(msg["path"]))
+        elif kind == "abort":  # an instance stopped answering: what waits on it goes elsewhere
+            for proxy in self.proxies:
+                abort = getattr(proxy, "abort_instance", None)
+                if abort is not None:
+                    abort(str(msg["host"]), int(msg["port"]), str(msg.get("reason", "")), bool(msg.get("answering")))
         elif kind == "drain":
             self._grace_s = float(msg.get("grace_s", self._grace_s))
             self._stop.set()

@@ -25,9 +25,12 @@ class InstanceChecks:
         self._metrics_url = metrics_url
 
     async def monitor_engine(self, view: EngineView, period_s: float, stall_after_s: float,
-                             on_stall: Callable[[str], None]) -> None:
-        """Scrape the engine's metrics into `view` until cancelled (see engine_monitor.py)."""
-        await EngineMonitor(self._session, self._metrics_url, view, period_s, stall_after_s, on_stall).run()
+                             on_stall: Callable[[str], None], silent_after_s: float = 0.0,
+                             on_silent: Callable[[str], None] | None = None) -> None:
+        """Scrape the engine's metrics into `view` until cancelled; tell `on_silent` when the
+        instance has answered nothing for `silent_after_s` (see engine_monitor.py)."""
+        await EngineMonitor(self._session, self._metrics_url, view, period_s, stall_after_s, on_stall,
+                            silent_after_s, on_silent).run()
 
     async def wait_ready(self, model: str, deadline_s: float, is_alive: Callable[[], bool]) -> ProbeResult:
         return await wait_until_ready(self._session, self._base_url, model, deadline_s, poll_s=0.1,
