@@ -90,9 +90,25 @@ class SlurmCluster:
         return out.stdout.strip()
 
     def slurmd(self, node: str, action: str) -> None:
-        out = subprocess.run([str(SETUP), f"slurmd-{action}", str(self.root), node], capture_output=True,
+        self._setup(f"slurmd-{action}", node)
+
+    def link(self, node: str, action: str) -> None:
+        """'down': the node's cable is pulled (its processes run on, unreachable); 'up': back."""
+        self._setup(f"link-{action}", node)
+
+    def _setup(self, command: str, node: str) -> None:
+        out = subprocess.run([str(SETUP), command, str(self.root), node], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 0, out.stderr
+
+    def update_node(self, node: str, *fields: str) -> None:
+        """scontrol update NodeName=NODE FIELDS... (what an operator does: State=DOWN, State=RESUME)."""
+        out = self.run("scontrol", "update", f"NodeName={node}", *fields)
+        assert out.returncode == 0, out.stderr
+
+    def job_nodes(self, job_id: str) -> str:
+        out = self.run("squeue", "-h", "-j", job_id, "-o", "%N")
+        return out.stdout.strip()
 
 
 def ns_processes(node: str) -> list[psutil.Process]:
@@ -107,6 +123,24 @@ def ns_processes(node: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return procs
+
+
+def signal_node(node: str, sig: int) -> list[int]:
+    """Send `sig` to every process in the node's namespace, until none is left unsignalled
+    (a process may fork meanwhile): the whole machine at once, its slurmd and slurmstepd
+    included. Returns the pids signalled."""
+    done: set[int] = set()
+    for _ in range(20):
+        fresh = [p for p in ns_processes(node) if p.pid not in done]
+        if not fresh:
+            break
+        for proc in fresh:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+            done.add(proc.pid)
+    return sorted(done)
 
 
 def ranks_on(node: str, instance_id: str | None = None) -> list[psutil.Process]:

@@ -256,6 +256,8 @@ def test_down_after_a_sigkilled_daemon_finds_the_steps_by_name(orch_run, cluster
 @pytest.mark.parametrize("flags,field,needle", [
     (("--gpus", "0-3"), "--gpus='0-3'", "GPU 2,3 not on node1 of the allocation (it has GPUs 0-1)"),
     (("--tp", "8"), "--tp=8", "needs 8 GPUs per group; the allocation has 4 (2 node(s) x 2 selected)"),
+    (("--tp", "3"), "--tp=3", "a group larger than a node takes whole nodes: must be a multiple of the 2 GPU(s) "
+                              "selected per node"),
 ])
 def test_more_gpus_than_the_allocation_has_is_exit_2_and_starts_nothing(cluster, allocation, tmp_path,
                                                                        flags, field, needle):

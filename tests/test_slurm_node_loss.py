@@ -14,6 +14,15 @@ then end to end on the real test cluster (scripts/setup-slurm: slurmctld and two
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -26,8 +35,18 @@ from orchestrator.health.engine_monitor import EngineMonitor
 from orchestrator.health.engine_state import EngineView
 from orchestrator.routing.backends import Backend, ReadyBackends
 from tests.fakes import OK, FakeChecks, bad
+from tests.harness import REPO, tagged
+from tests.slurm_cluster import assert_nodes_clean, ns_processes, ranks_on, signal_node, wait_until
+from tests.test_e2e_faults import Load as FaultLoad
+from tests.test_e2e_faults import Monitor, alive
 from tests.test_instance_machine import Rig
 from tests.test_proxy_embedded import AppUpstream
+from tests import test_slurm_e2e
+from tests.test_slurm_e2e import instances, slurm_run
+
+# The cluster (one per module) and a 2 nodes x 2 GPUs --no-kill allocation in it.
+cluster = test_slurm_e2e.cluster
+allocation = test_slurm_e2e.allocation
 
 GEN = "/v2/models/ensemble/generate"
 
@@ -272,3 +291,286 @@ async def test_abort_moves_the_waiting_requests_to_another_instance_and_cuts_onl
         await proxy.stop(0.5)
         await silent.close()
         await good.close()
+
+
+# --- end to end: the real test cluster -------------------------------------------------------
+# A canary deadline short enough that a frozen instance is torn down while the test watches,
+# and round robin so that both nodes have requests and streams in flight when one goes
+# (prefix affinity would keep the tests' few prompts on one node); the rest as shipped
+# (--silent-after-s 0.6).
+NODE_LOSS = ("--canary-deadline-s", "3", "--lb-policy", "round-robin")
+LEAVE_GOAL_S = 1.0
+# The loaded 2-core test machine: polls, scheduling and the data plane's own metrics scrape
+# come on top of the goal.
+SLACK_S = 0.5
+
+
+def counters(metrics_port: int, family: str) -> list[tuple[dict[str, str], float]]:
+    """A counter family's samples from the data plane's /metrics: (labels, value)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return [(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))), float(m.group(2)))
+            for m in re.finditer(rf"^{family}_total\{{([^}}]*)\}} (\S+)$", text, re.M)]
+
+
+def count_of(metrics_port: int, family: str, instance: str) -> float:
+    return sum(v for labels, v in counters(metrics_port, family) if labels.get("instance") == instance)
+
+
+def failures_of(metrics_port: int, instance: str) -> float:
+    return count_of(metrics_port, "trtllm_orch_proxy_upstream_failures", instance)
+
+
+def served_by(metrics_port: int, instance: str) -> float:
+    return count_of(metrics_port, "trtllm_orch_proxy_requests", instance)
+
+
+class Streams(threading.Thread):
+    """Closed-loop streamed generates of TOKENS tokens: each one complete (every token's event
+    came) or cut (fewer, or an error), with the time it began and ended."""
+
+    TOKENS = 32
+
+    def __init__(self, run) -> None:
+        super().__init__(daemon=True)
+        self.url = run.url("/v2/models/ensemble/generate_stream")
+        self.body = json.dumps({"text_input": "a stream", "max_tokens": self.TOKENS, "stream": True,
+                                "bad_words": "", "stop_words": ""}).encode()
+        self.done = 0
+        self.cut: list[tuple[float, float, str]] = []  # (began, ended, what it got)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            began, events, why = time.monotonic(), 0, ""
+            try:
+                req = urllib.request.Request(self.url, data=self.body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    for line in resp:
+                        events += line.startswith(b"data:")
+            except Exception as exc:  # noqa: BLE001: every way a stream can end badly counts
+                why = repr(exc)[:120]
+            if events >= self.TOKENS and not why:
+                self.done += 1
+            else:
+                self.cut.append((began, time.monotonic(), f"{events} events {why}".strip()))
+
+
+class Traffic:
+    """Steady load through the endpoint: non-streaming generates and streams, 2 clients each."""
+
+    def __init__(self, run) -> None:
+        self.load = FaultLoad(run, threads=2)
+        self.streams = [Streams(run), Streams(run)]
+
+    def __enter__(self) -> "Traffic":
+        self.load.__enter__()
+        for s in self.streams:
+            s.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s in self.streams:
+            s.stop.set()
+        for s in self.streams:
+            s.join(60)
+        self.load.__exit__()
+
+    @property
+    def cut(self) -> list[tuple[float, float, str]]:
+        return [c for s in self.streams for c in s.cut]
+
+    def only_node2_streams_cut(self, t0: float, leave_s: float) -> None:
+        """A cut stream was on node2: it began before node2 left the data plane's ready set
+        (after that, every stream went to node1), at most one per client."""
+        late = [(round(b - t0, 2), why) for b, _, why in self.cut if b > t0 + leave_s]
+        assert late == [], f"streams begun after node2 left rotation were cut: {late}"
+        assert len(self.cut) <= len(self.streams), self.cut
+
+    def cuts(self, t0: float) -> list[str]:
+        return [f"{b - t0:+.2f}s..{e - t0:+.2f}s: {why}" for b, e, why in self.cut]
+
+    def summary(self) -> str:
+        return (f"{self.load.ok} requests, {len(self.load.failures)} failed; "
+                f"{sum(s.done for s in self.streams)} streams, {len(self.cut)} cut")
+
+
+def node_loss_run(orch_run, cluster, job):
+    run = slurm_run(orch_run, cluster, job, *NODE_LOSS).start(timeout=120)
+    insts = instances(run.status())
+    assert {iid: i["nodes"] for iid, i in insts.items()} == {"0": ["node1"], "1": ["node2"]}
+    return run
+
+
+def node1_as_it_was(run, mon: Monitor, before: dict, ranks1: set[int]) -> None:
+    """Instance 0 on node1: READY and routed to in every sample, the same srun and ranks."""
+    bad = [(round(s.t, 2), s.states["0"]) for s in mon.samples if s.states["0"] != "READY"]
+    assert bad == [], f"instance 0 left READY: {bad}"
+    assert all(s.gauges.get("0") == 1 for s in mon.samples if s.gauges is not None), "the data plane dropped 0"
+    assert all(s.pids["0"] == before["pids"] for s in mon.samples)
+    now = instances(run.status())["0"]
+    assert now["pids"] == before["pids"] and now["restarts"] == before["restarts"]
+    assert {p.pid for p in ranks_on("node1", "0")} == ranks1
+
+
+def leaves_rotation(mon: Monitor, t0: float) -> float:
+    """Seconds from t0 until the data plane's own ready set (its /metrics) lost instance 1."""
+    out = mon.wait(lambda s: s.gauges is not None and s.gauges.get("1") == 0, 30,
+                   "the data plane drops instance 1", since=t0)
+    return out.t - t0
+
+
+@pytest.mark.e2e
+def test_a_node_frozen_then_killed_under_load_fails_no_request_and_its_group_rejoins_when_it_returns(
+        orch_run, cluster, allocation):
+    """Every process of node2 stopped at once (SIGSTOP: the machine hangs), then killed
+    (SIGKILL: slurmd and slurmstepd too, as a power loss), then its slurmd started again."""
+    run = node_loss_run(orch_run, cluster, allocation)
+    before = instances(run.status())
+    ranks1, old2 = {p.pid for p in ranks_on("node1", "0")}, {p.pid for p in ranks_on("node2", "1")}
+    old_step = next(sid for sid, name, _ in cluster.steps() if name.endswith(".i1"))
+    with Monitor(run) as mon, Traffic(run) as traffic:
+        time.sleep(2.0)
+        failed0 = failures_of(run.metrics_port, "0")
+        assert served_by(run.metrics_port, "1") > 0, "node2 had no traffic to lose"
+        t0 = time.monotonic()
+        signal_node("node2", signal.SIGSTOP)
+        leave_s = leaves_rotation(mon, t0)
+        time.sleep(3.0)  # frozen: nothing answers, nothing closes
+        signal_node("node2", signal.SIGKILL)
+        wait_until(lambda: not ns_processes("node2"), 10, "node2's processes gone")
+        time.sleep(2.0)
+        cluster.slurmd("node2", "start")  # the machine is back: a fresh slurmd, nothing else
+        t_back = time.monotonic()
+        back = mon.wait(lambda s: s.gauges is not None and s.gauges.get("1") == 1, 120,
+                        "instance 1 back in the data plane's ready set", since=t_back)
+        rejoin_s = back.t - t_back
+        time.sleep(2.0)  # served by both again
+        failed0_after = failures_of(run.metrics_port, "0")
+    print(f"\n[node2 frozen, killed, back] left rotation {leave_s:.2f}s after SIGSTOP; "
+          f"rejoined {rejoin_s:.1f}s after slurmd started; {traffic.summary()}; cut: {traffic.cuts(t0)}")
+    assert leave_s <= LEAVE_GOAL_S + SLACK_S, leave_s
+    assert traffic.load.ok > 0 and traffic.load.failures == [], traffic.load.failures[:5]
+    assert failed0_after == failed0, "a request on node1 failed"  # every cut stream was node2's
+    traffic.only_node2_streams_cut(t0, leave_s)
+    node1_as_it_was(run, mon, before["0"], ranks1)
+    # Rejoined on node2 with new ranks, two of them: the old step's record is an orphan
+    # (its slurmstepd died with the node), recognised through Slurm, and not started on twice.
+    after = instances(run.status())["1"]
+    assert after["state"] == "READY" and after["nodes"] == ["node2"] and after["restarts"] >= 1
+    new2 = {p.pid for p in ranks_on("node2", "1")}
+    assert len(new2) == 2 and not new2 & old2, (old2, new2)
+    orphan = f"step {old_step}: Slurm still lists it, but its node's slurmd knows no such step"
+    assert orphan in (run.state_dir / "instances" / "1" / "instance.log").read_text(errors="replace")
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert [s for s in cluster.steps() if s[0] != old_step] == []
+    assert_nodes_clean()
+    assert tagged(run.state_dir) == []
+
+
+@pytest.mark.e2e
+def test_a_node_cut_off_under_load_fails_no_request_and_its_group_rejoins_once_slurm_ends_the_old_step(
+        orch_run, cluster, allocation):
+    """node2's cable pulled with everything on it running: its ranks serve on to nobody.
+    Plugged back before Slurm calls it DOWN: the old step is cancelled through Slurm before
+    the group starts there again."""
+    run = node_loss_run(orch_run, cluster, allocation)
+    before = instances(run.status())
+    ranks1, old2 = {p.pid for p in ranks_on("node1", "0")}, ranks_on("node2", "1")
+    with Monitor(run) as mon, Traffic(run) as traffic:
+        time.sleep(2.0)
+        failed0 = failures_of(run.metrics_port, "0")
+        assert served_by(run.metrics_port, "1") > 0, "node2 had no traffic to lose"
+        t0 = time.monotonic()
+        cluster.link("node2", "down")
+        leave_s = leaves_rotation(mon, t0)
+        time.sleep(8.0)
+        assert all(alive(p) for p in old2), "the cut-off ranks run on"
+        cluster.link("node2", "up")
+        t_back = time.monotonic()
+        back = mon.wait(lambda s: s.gauges is not None and s.gauges.get("1") == 1, 120,
+                        "instance 1 back in the data plane's ready set", since=t_back)
+        rejoin_s = back.t - t_back
+        time.sleep(2.0)
+        failed0_after = failures_of(run.metrics_port, "0")
+    print(f"\n[node2 cut off, back] left rotation {leave_s:.2f}s after the cut; "
+          f"rejoined {rejoin_s:.1f}s after the link came back; {traffic.summary()}; cut: {traffic.cuts(t0)}")
+    assert leave_s <= LEAVE_GOAL_S + SLACK_S, leave_s
+    assert traffic.load.ok > 0 and traffic.load.failures == [], traffic.load.failures[:5]
+    assert failed0_after == failed0, "a request on node1 failed"
+    traffic.only_node2_streams_cut(t0, leave_s)
+    node1_as_it_was(run, mon, before["0"], ranks1)
+    after = instances(run.status())["1"]
+    assert after["state"] == "READY" and after["restarts"] >= 1
+    new2 = {p.pid for p in ranks_on("node2", "1")}
+    assert len(new2) == 2 and not any(alive(p) for p in old2), (new2, old2)
+    assert [name.rsplit(".", 1)[1] for _, name, _ in cluster.steps()] in (["i0", "i1"], ["i1", "i0"])
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert cluster.steps() == []
+    assert_nodes_clean()
+    assert tagged(run.state_dir) == []
+
+
+@pytest.mark.e2e
+def test_a_node_slurm_declares_down_stays_out_for_the_rest_of_the_allocation(orch_run, cluster, allocation):
+    """Slurm declares node2 DOWN (here an operator; SlurmdTimeout after a node that stays
+    gone): --no-kill takes it out of the job and Slurm ends the step there. The group stays
+    FAILED with Slurm's words, even once the node is back in service: it is no longer in
+    the allocation, and Slurm does not give a node back to a job."""
+    run = node_loss_run(orch_run, cluster, allocation)
+    with FaultLoad(run, threads=2) as load:
+        time.sleep(1.0)
+        cluster.update_node("node2", "State=DOWN", "Reason=node-loss-test")
+        st = run.wait_for(lambda s: instances(s)["1"]["state"] == "FAILED", 30, "instance 1 FAILED")
+        time.sleep(1.0)
+    reason = instances(st)["1"]["reason"]
+    assert reason.startswith(f"node node2 left allocation {allocation}"), reason
+    assert load.ok > 0 and load.failures == [], load.failures[:5]
+    assert cluster.job_nodes(allocation) == "node1"
+    wait_until(lambda: not ranks_on("node2"), 30, "Slurm ended the step on node2")
+    # The node's slurmd answers: Slurm returns it to service by itself (ReturnToService=2),
+    # idle, in no job.
+    wait_until(lambda: cluster.node_state("node2") == "idle", 60, "node2 back in service")
+    time.sleep(3.0)  # six node polls
+    st = run.status()
+    assert instances(st)["1"]["state"] == "FAILED" and instances(st)["0"]["state"] == "READY"
+    assert not ranks_on("node2") and [n for _, _, n in cluster.steps()] == ["node1"]
+    assert "the groups on node2 stay FAILED for the rest of the allocation" in run.daemon_log()
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert cluster.steps() == []
+    assert_nodes_clean()
+
+
+# --- bad input on the real cluster ---------------------------------------------------------------
+def up_in(cluster, job: str, tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "up", "--model-repo",
+                           str(REPO / "demo" / "model_repo"), "--state-dir", str(tmp_path / "state"), *flags],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, **cluster.env, "SLURM_JOB_ID": job})
+
+
+@pytest.mark.e2e
+def test_an_allocation_without_gpus_is_one_line_and_starts_nothing(cluster, tmp_path):
+    out = cluster.run("salloc", "--no-shell", "--no-kill", "-N2", "-J", "trtllm-orch-test", timeout=60)
+    m = re.search(r"Granted job allocation (\d+)", out.stderr + out.stdout)
+    assert m, out.stderr
+    try:
+        res = up_in(cluster, m.group(1), tmp_path)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr == ("trtllm-orch: error: --gpus='all': the allocation holds no GPUs on node1: allocate "
+                              "them (sbatch --gres=gpu:N) or declare them with --assume-gpus N\n"), res.stderr
+        assert cluster.steps() == [] and not (tmp_path / "state").exists()
+        assert_nodes_clean()
+    finally:
+        cluster.release(m.group(1))
+
+
+@pytest.mark.e2e
+def test_an_allocation_slurm_does_not_know_is_one_line_and_starts_nothing(cluster, tmp_path):
+    res = up_in(cluster, "999999", tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("trtllm-orch: error: SLURM_JOB_ID='999999': Slurm does not know this job")
+    assert res.stderr.count("\n") == 1 and not (tmp_path / "state").exists()

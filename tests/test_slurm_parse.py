@@ -9,8 +9,8 @@ import pytest
 from orchestrator.launcher.command import LaunchCommand
 from orchestrator.launcher.slurm import node_verdict
 from orchestrator.launcher.slurm_alloc import parse_probe
-from orchestrator.launcher.slurm_cli import (JobInfo, NodeState, expand_hostlist, parse_fields, parse_gpu_gres,
-                                             parse_job, parse_sinfo_nodes, parse_steps)
+from orchestrator.launcher.slurm_cli import (JobInfo, NodeState, Result, expand_hostlist, parse_fields,
+                                             parse_gpu_gres, parse_job, parse_sinfo_nodes, parse_sstat, parse_steps)
 from orchestrator.launcher.slurm_command import LOCAL_ONLY_ENV, srun_mpirun, srun_pmix, step_name, step_prefix
 from orchestrator.plan import InstancePlan, Ports
 
@@ -97,6 +97,13 @@ def test_steps_and_probe_output():
     assert [s.step_id for s in parse_steps("3.3|trtllm-orch.ab.i0|node1\n3.4|x|node2\n\n")] == ["3.3", "3.4"]
     probe = "node2 3: cl0    inet 10.213.0.12/24 brd 10.213.0.255 scope global cl0\nnode1 Device \"cl0\" does not exist.\n"
     assert parse_probe(probe) == {"node2": "10.213.0.12"}
+
+
+def test_sstat_tells_a_running_step_from_an_orphaned_record_and_from_no_answer():
+    assert parse_sstat(Result(0, "4.1|\n", ""), "4.1") is True  # its slurmstepd answered
+    assert parse_sstat(Result(0, "", ""), "4.0") is False  # its slurmd answered: no such step there
+    assert parse_sstat(Result(0, "", "sstat: error: slurm_job_step_stat: Socket timed out\n"), "4.0") is None
+    assert parse_sstat(Result(124, "", "sstat did not answer within 20s"), "4.0") is None
 
 
 INST = InstancePlan("1", (0, 1), Ports(8003, 8004, 8005), "10.0.0.2", nodes=("node2",))

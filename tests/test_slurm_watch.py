@@ -30,6 +30,8 @@ class FakeSlurm:
         self.signals: list[tuple[tuple[str, ...], str]] = []
         self.unreachable = False
         self.steps_end_on_kill = True
+        self.runs: dict[str, bool | None] = {}  # what sstat says of a step (default: it runs)
+        self.asked: list[str] = []
 
     async def steps(self, job_id: str | None = None) -> list[Step]:
         if self.unreachable:
@@ -41,6 +43,10 @@ class FakeSlurm:
         if sig == "KILL" and self.steps_end_on_kill:
             self.listed = [s for s in self.listed if s.step_id not in step_ids]
         return Result(0, "", "")
+
+    async def step_runs(self, step_id: str) -> bool | None:
+        self.asked.append(step_id)
+        return self.runs.get(step_id, True)
 
     async def job(self) -> JobInfo | None:
         if self.unreachable:
@@ -165,3 +171,56 @@ async def test_an_unavailable_group_goes_to_failed_at_once_and_back_on_restart(t
         r.group.unavailable = None
         r.inst.request_restart()  # what the daemon does when Slurm returns the node
         await r.relaunched(2)
+
+
+async def test_an_orphaned_step_record_is_not_waited_for_and_a_step_of_an_unreachable_node_is(tmp_path, monkeypatch):
+    """A node killed whole (its slurmstepd too) and back before Slurm called it DOWN: slurmctld
+    lists the step forever, its slurmd knows no such step. Not waited for; a step whose node
+    does not answer sstat is."""
+    monkeypatch.setattr(slurm, "POLL_S", 0.001)
+    monkeypatch.setattr(slurm, "ORPHAN_CHECK_S", 0.01)
+    fake = FakeSlurm()
+    _, groups, _ = rig(tmp_path, fake)
+    notes: list[str] = []
+    groups[1].log.note = notes.append  # type: ignore[method-assign]
+    name = groups[1].step_name
+    fake.listed, fake.steps_end_on_kill = [Step("7.4", name, "n2")], False
+    fake.runs["7.4"] = None  # slurmd down: nothing is known
+    assert await groups[1]._cancel_steps("KILL", 0.1) == ["7.4"]
+    assert fake.asked and not notes
+    fake.runs["7.4"] = False  # slurmd back, without the step
+    assert await groups[1]._cancel_steps("KILL", 5.0) == []
+    assert len(notes) == 1 and notes[0].startswith("step 7.4: Slurm still lists it, but its node's slurmd "
+                                                   "knows no such step")
+    # `down` does the same, and forgets the run (nothing of it is left to find).
+    write_record(tmp_path, "7")
+    fake.listed = [Step("7.4", step_name(str(tmp_path), "1"), "n2"), Step("7.5", step_name(str(tmp_path), "0"), "n1")]
+    fake.runs["7.4"] = False
+    fake.steps_end_on_kill = True  # 7.5 is a live step: it ends when killed
+    listed_after_kill = fake.listed
+
+    async def signal(ids, sig):
+        fake.signals.append((tuple(ids), sig))
+        fake.listed = [s for s in listed_after_kill if s.step_id == "7.4"]  # 7.5 ends, 7.4 stays listed
+        return Result(0, "", "")
+    fake.signal = signal  # type: ignore[method-assign]
+    assert await sweep_steps(tmp_path, timeout_s=5.0, client=fake) == (["7.5"], [])
+    assert not (tmp_path / slurm.RECORD_FILE).exists()
+
+
+async def test_a_node_list_that_changes_between_polls_is_a_logged_decision(tmp_path, caplog):
+    fake = FakeSlurm()
+    launcher, groups, calls = rig(tmp_path, fake)
+    await launcher.check_nodes()
+    caplog.clear()
+    fake.job_info = JobInfo("7", "RUNNING", ("n1",), {})  # Slurm took n2 away (--no-kill, n2 DOWN)
+    await launcher.check_nodes()
+    await launcher.check_nodes()  # the same list again is no news
+    lines = [r.getMessage() for r in caplog.records if "now holds" in r.getMessage()]
+    assert lines == ["slurm: allocation 7 now holds n1 (planned on n1,n2); the groups on n2 stay FAILED for "
+                     "the rest of the allocation"]
+    assert calls[1].trouble == ["node n2 left allocation 7"] and not calls[0].trouble
+    fake.job_info = JobInfo("7", "RUNNING", ("n1", "n3"), {})
+    await launcher.check_nodes()
+    assert "n3 is not used until `down` and `up` plan again" in caplog.records[-1].getMessage()
+    assert calls[1].back == 0  # still out

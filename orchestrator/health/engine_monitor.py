@@ -22,7 +22,6 @@ next scrape gets a short timeout of its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 

@@ -29,7 +29,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from orchestrator.plan import InstancePlan
@@ -38,7 +38,7 @@ from orchestrator.launcher.group import FAILED_GROUP_GRACE_S, LaunchFailed, Proc
 from orchestrator.launcher.logfile import RotatingLog
 from orchestrator.launcher.process_tree import OsOps
 from orchestrator.launcher.slurm_cli import (JobInfo, NodeState, Result, Step, job_argv, parse_job, parse_sinfo_nodes,
-                        parse_steps, run_async, scancel_argv, sinfo_argv, steps_argv)
+                        parse_sstat, parse_steps, run_async, scancel_argv, sinfo_argv, sstat_argv, steps_argv)
 from orchestrator.launcher.slurm_command import step_name, step_prefix
 
 log = logging.getLogger("trtllm-orch")
@@ -48,6 +48,8 @@ STEP_GONE_TIMEOUT_S = 15.0  # how long we wait for squeue to stop listing a canc
 SRUN_CANCEL_WAIT_S = 5.0  # srun, SIGTERMed, cancels its step; then SIGKILL
 SRUN_UNREACHABLE_WAIT_S = 1.0  # the same on a node Slurm cannot reach: no confirmation will come
 POLL_S = 0.2
+# A step still listed this long after its KILL is asked (sstat) whether anything of it runs.
+ORPHAN_CHECK_S = 2.0
 
 
 class SlurmUnreachable(Exception):
@@ -68,6 +70,10 @@ class SlurmClient:
 
     async def signal(self, step_ids: list[str], sig: str) -> Result:
         return await run_async(scancel_argv(step_ids, sig))
+
+    async def step_runs(self, step_id: str) -> bool | None:
+        """Whether anything of the step runs on its nodes (see slurm_cli.parse_sstat)."""
+        return parse_sstat(await run_async(sstat_argv(step_id)), step_id)
 
     async def job(self) -> JobInfo | None:
         """The allocation as Slurm sees it now; None once Slurm no longer knows it."""
@@ -197,25 +203,20 @@ class SlurmGroup(ProcessGroup):
         return ids
 
     async def _cancel_steps(self, sig: str, timeout_s: float) -> list[str]:
-        """Signal our steps until squeue lists none; the ones still listed after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        ids: list[str] = []
-        signalled: set[str] = set()
-        while True:
-            try:
-                ids = await self._our_steps()
-            except SlurmUnreachable as exc:
-                self.log.note(f"cannot list steps: {exc}")
-                return ids
-            if not ids:
-                return []
-            fresh = [i for i in ids if i not in signalled]
-            if fresh:
-                await self._client.signal(fresh, sig)
-                signalled.update(fresh)
-            if time.monotonic() >= deadline:
-                return ids
-            await asyncio.sleep(POLL_S)
+        """Signal our steps until squeue lists none; the ones still listed after `timeout_s`
+        (orphaned records, which hold nothing, are not waited for)."""
+        seen: list[str] = []
+
+        async def listed() -> list[str]:
+            seen[:] = await self._our_steps()
+            return seen
+
+        try:
+            _, left = await cancel_steps(self._client, listed, sig, timeout_s, self.log.note)
+        except SlurmUnreachable as exc:
+            self.log.note(f"cannot list steps: {exc}")
+            return seen  # what it listed last still stands
+        return left
 
 
 class SlurmLauncher:
@@ -232,6 +233,7 @@ class SlurmLauncher:
         self.recorded = asyncio.Event()
         self._verdicts: dict[str, str | None] = {}
         self._unreachable_logged = False
+        self._job_nodes: tuple[str, ...] = nodes  # the allocation's node list at the last poll
 
     def make_group(self, plan: InstancePlan, ops: OsOps, log_file: RotatingLog, on_trouble: Trouble,
                    on_back: Callable[[], None]) -> SlurmGroup:
@@ -260,6 +262,9 @@ class SlurmLauncher:
                 self._unreachable_logged = True
             return self._verdicts
         self._unreachable_logged = False
+        if job is not None and job.nodes != self._job_nodes:
+            self._job_nodes = job.nodes
+            log.warning("slurm: %s", node_list_decision(self.job_id, self.nodes, job.nodes))
         verdicts = {node: node_verdict(node, self.job_id, job, states.get(node)) for node in self.nodes}
         for node, verdict in verdicts.items():
             if verdict != self._verdicts.get(node):
@@ -274,6 +279,21 @@ class SlurmLauncher:
         return verdicts
 
 
+def node_list_decision(job_id: str, planned: tuple[str, ...], now: tuple[str, ...]) -> str:
+    """What the daemon does when the allocation's node list changed between two polls."""
+    gone = [n for n in planned if n not in now]
+    new = [n for n in now if n not in planned]
+    parts = [f"allocation {job_id} now holds {','.join(now) or 'no node'} (planned on {','.join(planned)})"]
+    if gone:
+        # --no-kill: a node Slurm declared DOWN leaves the job, and Slurm never gives it back.
+        parts.append(f"the groups on {','.join(gone)} stay FAILED for the rest of the allocation")
+    else:
+        parts.append("every planned node is in it")
+    if new:
+        parts.append(f"{','.join(new)} is not used until `down` and `up` plan again")
+    return "; ".join(parts)
+
+
 def node_verdict(node: str, job_id: str, job: JobInfo | None, state: NodeState | None) -> str | None:
     """Why `node` cannot run our groups now, in Slurm's words; None when it can."""
     if job is None:
@@ -284,6 +304,44 @@ def node_verdict(node: str, job_id: str, job: JobInfo | None, state: NodeState |
         why = state.trouble() if state is not None else None
         return f"node {node} left allocation {job_id}" + (f" ({why})" if why else "")
     return state.trouble() if state is not None else None
+
+
+async def cancel_steps(client: SlurmClient, listed: Callable[[], Awaitable[list[str]]], sig: str, timeout_s: float,
+                       note: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """Signal the steps `listed()` names until squeue lists none of them. Returns (signalled,
+    still listed after `timeout_s`), orphaned records in neither. SlurmUnreachable from
+    `listed` goes to the caller.
+
+    A step still listed ORPHAN_CHECK_S after its signal, whose node's slurmd answers that
+    no such step runs there (sstat), is an orphaned record: its slurmstepd died with
+    everything else on a node that was killed or rebooted before Slurm noticed.
+    slurmctld keeps such a record until the job ends or the node goes DOWN, and no user
+    command removes it (scancel reaches no slurmstepd); nothing of it holds a port, a
+    GPU or a CPU. It is said once and not waited for.
+    """
+    deadline = time.monotonic() + timeout_s
+    signalled: dict[str, float] = {}  # step -> when it was signalled, or last asked with sstat
+    orphans: set[str] = set()
+    while True:
+        ids = [i for i in await listed() if i not in orphans]
+        if not ids:
+            return [i for i in signalled if i not in orphans], []
+        now = time.monotonic()
+        fresh = [i for i in ids if i not in signalled]
+        if fresh:
+            await client.signal(fresh, sig)
+            signalled.update(dict.fromkeys(fresh, now))
+        for i in ids:
+            if now - signalled[i] >= ORPHAN_CHECK_S:
+                signalled[i] = now
+                if await client.step_runs(i) is False:
+                    orphans.add(i)
+                    note(f"step {i}: Slurm still lists it, but its node's slurmd knows no such step (nothing "
+                         "of it runs: an orphaned record, which Slurm keeps until the job ends or the node "
+                         "goes DOWN); not waited for")
+        if now >= deadline:
+            return [i for i in signalled if i not in orphans], [i for i in ids if i not in orphans]
+        await asyncio.sleep(POLL_S)
 
 
 # --- finding steps by name: `down` and the next `up`, after a killed daemon ----------------
@@ -313,22 +371,21 @@ async def sweep_steps(state_dir: Path, timeout_s: float = STEP_GONE_TIMEOUT_S,
         return [], []
     prefix = step_prefix(str(state_dir))
     client = client or SlurmClient(record.get("job_id", ""))
-    deadline = time.monotonic() + timeout_s
-    cancelled: list[str] = []
-    while True:
-        try:
-            ours = [s.step_id for s in await client.steps() if s.name.startswith(prefix)]
-        except SlurmUnreachable as exc:
-            log.warning("cannot ask Slurm for the run's steps: %s", exc)
-            return cancelled, [f"(unknown: {exc})"]
-        if not ours:
-            (state_dir / RECORD_FILE).unlink(missing_ok=True)
-            return cancelled, []
-        fresh = [i for i in ours if i not in cancelled]
+    announced: set[str] = set()
+
+    async def listed() -> list[str]:
+        ours = [s.step_id for s in await client.steps() if s.name.startswith(prefix)]
+        fresh = [i for i in ours if i not in announced]
         if fresh:
             log.warning("cancelling step(s) left by a previous daemon: %s", ", ".join(fresh))
-            await client.signal(fresh, "KILL")
-            cancelled += fresh
-        if time.monotonic() >= deadline:
-            return cancelled, ours
-        await asyncio.sleep(POLL_S)
+            announced.update(fresh)
+        return ours
+
+    try:
+        cancelled, left = await cancel_steps(client, listed, "KILL", timeout_s, lambda line: log.warning("%s", line))
+    except SlurmUnreachable as exc:
+        log.warning("cannot ask Slurm for the run's steps: %s", exc)
+        return sorted(announced), [f"(unknown: {exc})"]
+    if not left:
+        (state_dir / RECORD_FILE).unlink(missing_ok=True)
+    return cancelled, left

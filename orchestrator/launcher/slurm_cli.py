@@ -225,3 +225,17 @@ def steps_argv(job_id: str | None = None) -> list[str]:
 
 def scancel_argv(step_ids: list[str], signal: str) -> list[str]:
     return ["scancel", f"--signal={signal}", *step_ids]
+
+
+def sstat_argv(step_id: str) -> list[str]:
+    # Asks the step's slurmstepd, through its node's slurmd, not slurmctld's records.
+    return ["sstat", "-n", "-P", "-j", step_id, "-o", "JobID"]
+
+
+def parse_sstat(res: Result, step_id: str) -> bool | None:
+    """Whether anything of the step runs, by sstat: True (its slurmstepd answered), False
+    (the node's slurmd answered cleanly and knows no such step: nothing of it runs there),
+    None (no clean answer: the node is unreachable, or Slurm failed; nothing is known)."""
+    if res.code != 0 or res.err.strip():
+        return None
+    return any(line.split("|")[0].strip() == step_id for line in res.out.splitlines())
