@@ -25,6 +25,7 @@ import time
 import urllib.request
 
 import aiohttp
+import psutil
 import pytest
 from aiohttp import web
 
@@ -395,6 +396,39 @@ class Traffic:
                 f"{sum(s.done for s in self.streams)} streams, {len(self.cut)} cut")
 
 
+class RankCount(threading.Thread):
+    """The most tritonserver ranks of instance 1 seen at once on node2 (2: never started twice)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.most = 0
+        self.stop = threading.Event()
+
+    @staticmethod
+    def ranks() -> int:
+        n = 0
+        for proc in ranks_on("node2", "1"):
+            try:
+                # A rank's fork for a Python-backend stub is named tritonserver until it execs.
+                n += proc.parent().name() != "tritonserver"
+            except (psutil.Error, AttributeError):
+                continue
+        return n
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.most = max(self.most, self.ranks())
+            time.sleep(0.2)
+
+    def __enter__(self) -> "RankCount":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.join(10)
+
+
 def node_loss_run(orch_run, cluster, job):
     run = slurm_run(orch_run, cluster, job, *NODE_LOSS).start(timeout=120)
     insts = instances(run.status())
@@ -420,95 +454,77 @@ def leaves_rotation(mon: Monitor, t0: float) -> float:
     return out.t - t0
 
 
+def freeze_then_kill(cluster) -> None:
+    time.sleep(3.0)  # frozen: nothing answers, nothing closes
+    signal_node("node2", signal.SIGKILL)  # slurmd and slurmstepd too, as a power loss
+    wait_until(lambda: not ns_processes("node2"), 10, "node2's processes gone")
+    time.sleep(2.0)
+
+
+VANISH = {
+    # fault, what happens while it lasts, how the node comes back
+    "frozen-then-killed": (lambda c: signal_node("node2", signal.SIGSTOP), freeze_then_kill,
+                           lambda c: c.slurmd("node2", "start")),  # a fresh slurmd, nothing else
+    "frozen-then-resumed": (lambda c: signal_node("node2", signal.SIGSTOP), lambda c: time.sleep(8.0),
+                            lambda c: signal_node("node2", signal.SIGCONT)),
+    "cut-off": (lambda c: c.link("node2", "down"), lambda c: time.sleep(8.0), lambda c: c.link("node2", "up")),
+}
+
+
 @pytest.mark.e2e
-def test_a_node_frozen_then_killed_under_load_fails_no_request_and_its_group_rejoins_when_it_returns(
-        orch_run, cluster, allocation):
-    """Every process of node2 stopped at once (SIGSTOP: the machine hangs), then killed
-    (SIGKILL: slurmd and slurmstepd too, as a power loss), then its slurmd started again."""
+@pytest.mark.parametrize("how", list(VANISH))
+def test_a_node_that_vanishes_under_load_fails_no_request_and_its_group_rejoins_when_it_returns(
+        orch_run, cluster, allocation, how):
+    """node2 vanishes while both nodes serve non-streaming and streaming load: every process
+    on it stopped at once (the machine hangs), then killed (power lost) and a fresh slurmd
+    started (it boots again), or resumed; or its cable pulled with everything on it running,
+    then plugged back, all before Slurm calls it DOWN. Its group leaves the data plane's ready
+    set within the goal, no request fails, only streams that were on node2 are cut, node1 is
+    untouched; when node2 is back, what is left of the old step is ended through Slurm and the
+    group starts there again, never twice at once."""
+    fault, meanwhile, recover = VANISH[how]
     run = node_loss_run(orch_run, cluster, allocation)
     before = instances(run.status())
-    ranks1, old2 = {p.pid for p in ranks_on("node1", "0")}, {p.pid for p in ranks_on("node2", "1")}
+    ranks1, old2 = {p.pid for p in ranks_on("node1", "0")}, ranks_on("node2", "1")
     old_step = next(sid for sid, name, _ in cluster.steps() if name.endswith(".i1"))
-    with Monitor(run) as mon, Traffic(run) as traffic:
+    with Monitor(run) as mon, Traffic(run) as traffic, RankCount() as ranks:
         time.sleep(2.0)
         failed0 = failures_of(run.metrics_port, "0")
         assert served_by(run.metrics_port, "1") > 0, "node2 had no traffic to lose"
         t0 = time.monotonic()
-        signal_node("node2", signal.SIGSTOP)
+        fault(cluster)
         leave_s = leaves_rotation(mon, t0)
-        time.sleep(3.0)  # frozen: nothing answers, nothing closes
-        signal_node("node2", signal.SIGKILL)
-        wait_until(lambda: not ns_processes("node2"), 10, "node2's processes gone")
-        time.sleep(2.0)
-        cluster.slurmd("node2", "start")  # the machine is back: a fresh slurmd, nothing else
+        meanwhile(cluster)
+        recover(cluster)
         t_back = time.monotonic()
         back = mon.wait(lambda s: s.gauges is not None and s.gauges.get("1") == 1, 120,
                         "instance 1 back in the data plane's ready set", since=t_back)
         rejoin_s = back.t - t_back
         time.sleep(2.0)  # served by both again
         failed0_after = failures_of(run.metrics_port, "0")
-    print(f"\n[node2 frozen, killed, back] left rotation {leave_s:.2f}s after SIGSTOP; "
-          f"rejoined {rejoin_s:.1f}s after slurmd started; {traffic.summary()}; cut: {traffic.cuts(t0)}")
+    print(f"\n[node2 {how}] left the data plane's ready set {leave_s:.2f}s after the fault; back in it "
+          f"{rejoin_s:.1f}s after the node came back; {traffic.summary()}; cut: {traffic.cuts(t0)}")
     assert leave_s <= LEAVE_GOAL_S + SLACK_S, leave_s
     assert traffic.load.ok > 0 and traffic.load.failures == [], traffic.load.failures[:5]
     assert failed0_after == failed0, "a request on node1 failed"  # every cut stream was node2's
     traffic.only_node2_streams_cut(t0, leave_s)
     node1_as_it_was(run, mon, before["0"], ranks1)
-    # Rejoined on node2 with new ranks, two of them: the old step's record is an orphan
-    # (its slurmstepd died with the node), recognised through Slurm, and not started on twice.
     after = instances(run.status())["1"]
     assert after["state"] == "READY" and after["nodes"] == ["node2"] and after["restarts"] >= 1
     new2 = {p.pid for p in ranks_on("node2", "1")}
-    assert len(new2) == 2 and not new2 & old2, (old2, new2)
+    assert len(new2) == 2 and not any(alive(p) for p in old2) and ranks.most == 2, (new2, old2, ranks.most)
+    log1 = (run.state_dir / "instances" / "1" / "instance.log").read_text(errors="replace")
     orphan = f"step {old_step}: Slurm still lists it, but its node's slurmd knows no such step"
-    assert orphan in (run.state_dir / "instances" / "1" / "instance.log").read_text(errors="replace")
+    if how == "frozen-then-killed":
+        # Its slurmstepd died with the node: the record is an orphan, seen through Slurm (sstat).
+        assert orphan in log1
+        left = [old_step]
+    else:
+        assert orphan not in log1  # ended through Slurm (scancel), before the group started again
+        left = []
     out = run.down()
     assert out.returncode == 0, out.stderr
-    assert [s for s in cluster.steps() if s[0] != old_step] == []
-    assert_nodes_clean()
-    assert tagged(run.state_dir) == []
-
-
-@pytest.mark.e2e
-def test_a_node_cut_off_under_load_fails_no_request_and_its_group_rejoins_once_slurm_ends_the_old_step(
-        orch_run, cluster, allocation):
-    """node2's cable pulled with everything on it running: its ranks serve on to nobody.
-    Plugged back before Slurm calls it DOWN: the old step is cancelled through Slurm before
-    the group starts there again."""
-    run = node_loss_run(orch_run, cluster, allocation)
-    before = instances(run.status())
-    ranks1, old2 = {p.pid for p in ranks_on("node1", "0")}, ranks_on("node2", "1")
-    with Monitor(run) as mon, Traffic(run) as traffic:
-        time.sleep(2.0)
-        failed0 = failures_of(run.metrics_port, "0")
-        assert served_by(run.metrics_port, "1") > 0, "node2 had no traffic to lose"
-        t0 = time.monotonic()
-        cluster.link("node2", "down")
-        leave_s = leaves_rotation(mon, t0)
-        time.sleep(8.0)
-        assert all(alive(p) for p in old2), "the cut-off ranks run on"
-        cluster.link("node2", "up")
-        t_back = time.monotonic()
-        back = mon.wait(lambda s: s.gauges is not None and s.gauges.get("1") == 1, 120,
-                        "instance 1 back in the data plane's ready set", since=t_back)
-        rejoin_s = back.t - t_back
-        time.sleep(2.0)
-        failed0_after = failures_of(run.metrics_port, "0")
-    print(f"\n[node2 cut off, back] left rotation {leave_s:.2f}s after the cut; "
-          f"rejoined {rejoin_s:.1f}s after the link came back; {traffic.summary()}; cut: {traffic.cuts(t0)}")
-    assert leave_s <= LEAVE_GOAL_S + SLACK_S, leave_s
-    assert traffic.load.ok > 0 and traffic.load.failures == [], traffic.load.failures[:5]
-    assert failed0_after == failed0, "a request on node1 failed"
-    traffic.only_node2_streams_cut(t0, leave_s)
-    node1_as_it_was(run, mon, before["0"], ranks1)
-    after = instances(run.status())["1"]
-    assert after["state"] == "READY" and after["restarts"] >= 1
-    new2 = {p.pid for p in ranks_on("node2", "1")}
-    assert len(new2) == 2 and not any(alive(p) for p in old2), (new2, old2)
-    assert [name.rsplit(".", 1)[1] for _, name, _ in cluster.steps()] in (["i0", "i1"], ["i1", "i0"])
-    out = run.down()
-    assert out.returncode == 0, out.stderr
-    assert cluster.steps() == []
+    assert [s[0] for s in cluster.steps()] == left
     assert_nodes_clean()
     assert tagged(run.state_dir) == []
 

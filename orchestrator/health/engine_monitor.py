@@ -34,6 +34,8 @@ from orchestrator.health.metrics_stall import StallDetector
 MIN_SCRAPE_S = 0.25
 # A timeout that fires this much after its due time was our loop's lateness, not silence.
 LATE_S = 0.2
+# Timers may fire a hair early: a scrape that timed out at the silence mark is the silence.
+EARLY_S = 0.02
 
 
 class EngineMonitor:
@@ -84,7 +86,7 @@ class EngineMonitor:
         if self.silent or not self.silent_after_s or late:
             return
         quiet = now - self.last_answer
-        if quiet >= self.silent_after_s:
+        if quiet + EARLY_S >= self.silent_after_s:
             self.silent = True
             assert self._on_silent is not None
             self._on_silent(f"silent: no answer from its metrics port for {quiet:.2f}s (last scrape: {why})")

@@ -50,6 +50,7 @@ SRUN_UNREACHABLE_WAIT_S = 1.0  # the same on a node Slurm cannot reach: no confi
 POLL_S = 0.2
 # A step still listed this long after its KILL is asked (sstat) whether anything of it runs.
 ORPHAN_CHECK_S = 2.0
+SSTAT_TIMEOUT_S = 3.0
 
 
 class SlurmUnreachable(Exception):
@@ -73,7 +74,9 @@ class SlurmClient:
 
     async def step_runs(self, step_id: str) -> bool | None:
         """Whether anything of the step runs on its nodes (see slurm_cli.parse_sstat)."""
-        return parse_sstat(await run_async(sstat_argv(step_id)), step_id)
+        # Short: a node that does not answer makes sstat wait its MessageTimeout, and the
+        # answer would be "unknown" anyway.
+        return parse_sstat(await run_async(sstat_argv(step_id), SSTAT_TIMEOUT_S), step_id)
 
     async def job(self) -> JobInfo | None:
         """The allocation as Slurm sees it now; None once Slurm no longer knows it."""
