@@ -1,0 +1,78 @@
+"""Live restore's decisions (controlplane/adoption.py) on state.json records, without
+starting anything: this test's own process stands in for a live mpirun."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from orchestrator.controlplane.adoption import find_prior
+from orchestrator.launcher.command import LaunchCommand
+from orchestrator.plan import InstancePlan, Ports
+
+pytestmark = pytest.mark.unit
+
+PLAN = InstancePlan("0", (0,), Ports(9000, 9001, 9002), "127.0.0.1")
+LISTEN = {"listen": "127.0.0.1:8080", "grpc_listen": "", "metrics_listen": ""}
+
+
+def build(plan: InstancePlan) -> LaunchCommand:
+    return LaunchCommand(("mpirun", "-n", "1", "tritonserver", f"--http-port={plan.ports.http}"), {"A": "1"})
+
+
+def record(**kw) -> dict:
+    me = psutil.Process()
+    base = {"mpirun_pid": os.getpid(), "mpirun_create_time": me.create_time(),
+            "launch": build(PLAN).shell_text(), "started_by": "0.1.0"}
+    return {"instances": {"0": {**base, **kw}}}
+
+
+def notes(state) -> list[str]:
+    prior = find_prior(state, [PLAN], build, "/nonexistent/state", LISTEN)
+    assert prior.instances == {}  # none of these may be adopted
+    return prior.notes
+
+
+def test_nothing_recorded_adopts_nothing_silently():
+    assert notes(None) == [] and notes({"instances": {}}) == []
+
+
+def test_an_unreadable_record_adopts_nothing_and_says_so():
+    assert notes({"instances": [1, 2]}) == ["state.json unreadable: adopting nothing (its processes are swept by tag)"]
+    assert notes({"instances": {"0": {"mpirun_pid": "12"}}}) == \
+        ["instance 0: not adopted: its record in state.json is incomplete"]
+
+
+def test_a_recycled_pid_is_not_the_group():
+    (note,) = notes(record(mpirun_create_time=psutil.Process().create_time() - 100))
+    assert note == f"instance 0: not adopted: mpirun pid {os.getpid()} is gone"
+
+
+def test_a_changed_launch_command_is_not_adopted():
+    (note,) = notes(record(launch="mpirun -n 1 tritonserver --http-port=1"))
+    assert "its launch command differs from this config's" in note
+
+
+def test_a_group_not_in_the_plan_is_not_adopted():
+    (note,) = notes({"instances": {"7": record()["instances"]["0"]}})
+    assert note == "instance 7: not adopted: not in this config's plan"
+
+
+def test_a_process_without_the_runs_tag_is_not_adopted():
+    (note,) = notes(record())  # this test process carries no TRTLLM_ORCH_STATE_DIR tag
+    assert note == f"instance 0: not adopted: pid {os.getpid()} does not carry this run's environment tag"
+
+
+def test_slurm_groups_are_relaunched_not_adopted():
+    prior = find_prior(record(), [PLAN], build, "/x", LISTEN, local_launcher=False)
+    assert prior.instances == {} and "Slurm groups are relaunched" in prior.notes[0]
+
+
+def test_workers_serving_other_addresses_are_not_adopted():
+    me = psutil.Process()
+    state = {"instances": {}, "dataplane": {"listen": {**LISTEN, "listen": "0.0.0.0:9999"},
+                                            "workers": [{"slot": 0, "pid": me.pid, "create_time": me.create_time()}]}}
+    prior = find_prior(state, [PLAN], build, "/x", LISTEN)
+    assert prior.workers == [] and "data plane: not adopted: it serves" in prior.notes[0]
