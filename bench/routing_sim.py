@@ -1,19 +1,25 @@
-"""Routing policies on the twin's engine in virtual time: routing_bench's workload A, long runs,
-parameter sweeps, in seconds and without Triton (issue 11: tuning prefix-affinity's slack).
+"""Routing policies on the twin's engine in virtual time: issue 24's whole matrix
+(bench/routing_cells.py) in minutes, without Triton.
 
-    .venv/bin/python -m bench.routing_sim [--seconds 120] [--rates 14,22] [--slacks 4,8,12,16]
+    .venv/bin/python -m bench.routing_sim [--seconds 60] [--shapes 8,64] [--rooms 1.5,4]
+        [--workloads uniform,zipf,chat,unique,mixed] [--loads r0,r1,r2,closed]
+        [--targets cost-model,prefix-affinity,least-outstanding,round-robin,nginx] [--jobs 2]
 
-Two `demo/twin/engine.py` engines (the same code the twin's tritonserver runs: in-flight
-batching, paged KV cache with prefix reuse and LRU eviction, per-token prefill cost) advance
-in virtual time; the router is the proxy's own policy class (orchestrator/proxy) fed the
-proxy's in-flight counts and engine snapshots every 100 ms, as the engine monitor scrapes
-them. Requests are routing_bench's workload A (same generator, same parameters), Poisson
-arrivals; no network, no proxy CPU, no Triton. What it cannot show: CPU contention, the
-100 ms scrape lag's interaction with real timing, anything of NGINX.
+Two `demo/twin/engine.py` engines (the code the twin's tritonserver runs: in-flight batching,
+paged KV cache with prefix reuse and LRU eviction, guaranteed_no_evict admission, per-token
+prefill cost) advance in virtual time. The router is the proxy's own policy class, fed the
+proxy's in-flight counts and engine snapshots every 100 ms (as the engine monitor scrapes
+them, with the same fields parse_engine_metrics reads: the last iteration's stats, its
+start time and context tokens, the input/output histograms' sums and count); `nginx` is
+least_conn (fewest in flight, ties in turn), `least-outstanding` ties at random. The
+cost model is told each request's observed TTFT, as the proxy tells it.
 
-Prints, per policy/slack and rate: TTFT p50/p90/p99, output tokens/s, KV hit rate, each
-instance's share, and the routing decisions (prefix-overloaded = a spill past the slack).
-`--tenants 1` gives the hot-single-prefix case the slack also guards.
+Faithful to: the engine's scheduling, KV accounting and eviction, timing in the twin's model,
+the scrape cadence. Not modelled: CPU (the real twin's iterations stretch when its host is
+busy), network and Triton's own queues, NGINX's per-worker counts. bench/routing_bench.py runs
+a subset of the same cells on the real twin to check the simulator against it.
+
+Output: a table per cell and bench/results/routing_sim-<stamp>.{json,png} (`--no-write` to skip).
 """
 
 from __future__ import annotations
@@ -22,148 +28,304 @@ import argparse
 import heapq
 import itertools
 import json
+import math
+import os
 import random
+import re
+import statistics
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from bench import routing_bench as rb
+from bench import routing_cells as rc
+from bench.common import pct, table, write_result
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.balancer import POLICIES
-from orchestrator.routing.llm_policies import PrefixAffinity, RouteHints
+from orchestrator.routing.llm_policies import RouteHints
 
-sys.path.insert(0, str(rb.DEMO_REPO.parent))
+from tests.harness import DEMO_REPO
+
+sys.path.insert(0, str(DEMO_REPO.parent))
 from twin.engine import Engine, EngineConfig, Sequence  # noqa: E402
-from twin.tokens import encode  # noqa: E402
+from twin.tokens import decode, encode  # noqa: E402
 
 SCRAPE_S = 0.1
 
 
-def simulate(policy: str, rate: float, seconds: float, a: argparse.Namespace, slack: float | None = None,
-             seed: int = 1, instances: int = 2, closed: int = 0) -> dict[str, Any]:
-    """Workload A at `rate` (open loop); with `closed` > 0 workload B instead, closed loop at
-    that concurrency (`rate` unused)."""
+class NginxLeastConn:
+    """NGINX `least_conn`: the fewest active connections; among equals, in turn."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._next = 0
+
+    def choose(self, backends, skip, inflight, hints=None):
+        n = len(backends)
+        best, best_n = None, None
+        for k in range(n):
+            b = backends[(self._next + k) % n]
+            c = inflight.get(b.instance_id, 0)
+            if best_n is None or c < best_n:
+                best, best_n, pos = b, c, (self._next + k) % n
+        self._next = (pos + 1) % n
+        return best
+
+
+class StaticPartition:
+    """Reference only (not a product policy): tenant t on instance t mod instances, fixed; other
+    workloads by least in flight. What a perfect partition of the tenants' prefixes gives."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._lo = POLICIES["least-outstanding"](rng)
+        self.prompt = ""
+
+    def choose(self, backends, skip, inflight, hints=None):
+        m = re.search(r" tenant (\d+)\]", self.prompt[:80])
+        if m is None:
+            return self._lo.choose(backends, skip, inflight, hints)
+        return backends[int(m.group(1)) % len(backends)]
+
+
+def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None = None):
+    if target == "nginx":
+        return NginxLeastConn(rng)
+    if target == "partition":
+        return StaticPartition(rng)
+    cls = POLICIES[target]
+    if target in ("least-outstanding", "round-robin"):
+        return cls(rng)
+    return cls(rng, clock=clock, **(policy_kw or {}))
+
+
+def simulate(cell: rc.Cell, target: str, seconds: float, seed: int = 1,
+             policy_kw: dict | None = None) -> dict[str, Any]:
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
-    cfg = EngineConfig(max_batch_size=a.slots, max_tokens_in_paged_kv_cache=a.kv_tokens, tokens_per_block=a.block,
-                       enable_kv_cache_reuse=True, decode_ms=a.decode_ms, prefill_ms_per_token=a.prefill_ms)
-    engines = [Engine(cfg, clock_ns=lambda: int(now[0] * 1e9)) for _ in range(instances)]
-    views = [EngineView() for _ in range(instances)]
-    backends = [Backend(str(i), "sim", 1, 2, 3, engine=views[i]) for i in range(instances)]
-    rng = random.Random(seed)
-    if policy == "prefix-affinity":
-        router = PrefixAffinity(rng, clock=clock, **({} if slack is None else {"slack": slack}))
-    elif policy == "kv-aware":
-        router = POLICIES[policy](rng, clock=clock)  # type: ignore[call-arg]
-    else:
-        router = POLICIES[policy](rng)
+    cfg = EngineConfig(max_batch_size=cell.slots, max_tokens_in_paged_kv_cache=cell.kv_tokens,
+                       tokens_per_block=rc.BLOCK, enable_kv_cache_reuse=True, decode_ms=rc.DECODE_MS,
+                       prefill_ms_per_token=rc.PREFILL_MS)
+    n_inst = rc.INSTANCES
+    engines = [Engine(cfg, clock_ns=lambda: int(now[0] * 1e9)) for _ in range(n_inst)]
+    views = [EngineView() for _ in range(n_inst)]
+    backends = [Backend(str(i), "sim", 1, 2, 3, engine=views[i]) for i in range(n_inst)]
+    router = make_router(target, random.Random(seed), clock, policy_kw)
+    hist = [{"finished": 0, "input": 0, "output": 0} for _ in range(n_inst)]
     inflight: dict[str, int] = {}
-    busy = [False] * instances
-    stats: list[Any] = [None] * instances
+    busy = [False] * n_inst
+    stats: list[Any] = [None] * n_inst
     heap: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
-    if closed:
-        reqs = rb.workload_b(f"sim{seed}", a)
-        for k in range(closed):
-            heapq.heappush(heap, (0.0, next(order), "arrive", k))
-        issued = [closed]
-    else:
-        reqs = rb.workload_a(f"sim{seed}", rate, seconds, a)
-        for k, r in enumerate(reqs):
-            heapq.heappush(heap, (r.at, next(order), "arrive", k))
-    heapq.heappush(heap, (0.0, next(order), "scrape", None))
-    recs: dict[int, dict[str, Any]] = {}
+    source = rc.sessions(cell, salt=f"sim{seed}", seed=f"seq{seed}")
+    recs: list[dict[str, Any]] = []
     reasons: dict[str, int] = {}
-    window_tokens = 0
+    decide_s: list[float] = []
+    tokens_in_window = [0]
+    rate = cell.rate()
+    if rate is None:
+        for _ in range(cell.concurrency):
+            heapq.heappush(heap, (0.0, next(order), "start", None))
+    else:
+        mean_turns = 5.0 if cell.workload == "chat" else 1.0
+        rng = random.Random(f"arrivals{seed}/{cell.name}")
+        t = 0.0
+        while True:
+            t += rng.expovariate(rate / mean_turns)
+            if t >= seconds:
+                break
+            heapq.heappush(heap, (t, next(order), "start", None))
+    heapq.heappush(heap, (0.0, next(order), "scrape", None))
 
     def step(i: int) -> None:
         it = engines[i].step()
         busy[i] = True
         heapq.heappush(heap, (now[0] + it.duration_s, next(order), "iteration", (i, it)))
 
+    def send(session: rc.Session, prompt: str, max_tokens: int) -> None:
+        t = now[0]
+        hints = RouteHints.from_prompt(prompt)
+        if target == "partition":
+            router.prompt = prompt
+        t0 = time.perf_counter()
+        b = router.choose(backends, (), inflight, hints)
+        decide_s.append(time.perf_counter() - t0)
+        reason = getattr(router, "last_reason", "") or target
+        reasons[reason] = reasons.get(reason, 0) + 1
+        decision = getattr(router, "last_decision", None)
+        i = int(b.instance_id)
+        inflight[b.instance_id] = inflight.get(b.instance_id, 0) + 1
+        ids = encode(prompt)
+        rec = {"at": t, "ttft": None, "e2e": None, "i": i, "blocks": (len(ids) - 1) // rc.BLOCK, "reused": 0,
+               "decision": decision, "est": decision.estimate_s if decision is not None else None,
+               "cached_est": decision.cached_tokens if decision is not None else None, "session": session}
+        recs.append(rec)
+        engines[i].enqueue(Sequence(len(recs) - 1, ids, max_tokens))
+        if not busy[i]:
+            step(i)
+
     while heap:
         t, _, kind, data = heapq.heappop(heap)
         now[0] = t
         if kind == "scrape":
-            for i in range(instances):
-                s = stats[i]
+            for i in range(n_inst):
+                s, h = stats[i], hist[i]
                 views[i].update(EngineSnapshot(
-                    at=t, active=s.active if s else 0, max_active=a.slots, waiting=s.waiting if s else 0,
-                    kv_max=a.kv_tokens // a.block, kv_used=s.kv_used if s else 0, tokens_per_block=a.block,
-                    kv_reused=s.kv_reused if s else 0, iteration=float(s.iteration) if s else 0.0))
+                    at=t, active=s.active if s else 0, max_active=cell.slots, waiting=s.waiting if s else 0,
+                    scheduled=s.scheduled if s else 0, context=s.context if s else 0,
+                    kv_max=cell.kv_tokens // rc.BLOCK, kv_used=s.kv_used if s else 0,
+                    kv_free=s.kv_free if s else cell.kv_tokens // rc.BLOCK, tokens_per_block=rc.BLOCK,
+                    kv_reused=s.kv_reused if s else 0, iteration=float(s.iteration) if s else 0.0,
+                    timestamp_us=s.timestamp_us if s else 0, context_tokens=s.total_context_tokens if s else 0,
+                    input_tokens=h["input"], finished=h["finished"], output_tokens=h["output"]))
             if any(h[2] != "scrape" for h in heap):
                 heapq.heappush(heap, (t + SCRAPE_S, next(order), "scrape", None))
-        elif kind == "arrive":
-            req = reqs[data]
-            doc = json.loads(req.body)
-            b = router.choose(backends, (), inflight, RouteHints.from_prompt(doc["text_input"]))
-            reason = getattr(router, "last_reason", "") or policy
-            reasons[reason] = reasons.get(reason, 0) + 1
-            i = int(b.instance_id)
-            inflight[b.instance_id] = inflight.get(b.instance_id, 0) + 1
-            recs[data] = {"at": t, "ttft": None, "e2e": None, "instance": i, "blocks": req.prompt_blocks, "reused": 0}
-            engines[i].enqueue(Sequence(data, encode(doc["text_input"]), doc["max_tokens"]))
-            if not busy[i]:
-                step(i)
+        elif kind == "start":
+            session = next(source)
+            prompt, max_tokens = session.first()
+            send(session, prompt, max_tokens)
+        elif kind == "turn":
+            session, prompt, max_tokens = data
+            send(session, prompt, max_tokens)
         else:
             i, it = data
             stats[i] = it.stats
             for ev in it.events:
-                rec = recs[ev.seq.req_id]
+                k = ev.seq.req_id
+                rec = recs[k]
                 if ev.tokens:
                     if rec["ttft"] is None:
                         rec["ttft"] = t - rec["at"]
                         rec["reused"] = ev.seq.reused_blocks
+                        if rec["decision"] is not None:
+                            rec["decision"].first_token(rec["ttft"])
                     if t <= seconds:
-                        window_tokens += len(ev.tokens)
+                        tokens_in_window[0] += len(ev.tokens)
                 if ev.finished:
                     inflight[str(i)] -= 1
                     rec["e2e"] = t - rec["at"]
-                    if closed and t < seconds:
-                        heapq.heappush(heap, (t, next(order), "arrive", issued[0]))
-                        issued[0] += 1
+                    hist[i]["finished"] += 1
+                    hist[i]["input"] += len(ev.seq.prompt)
+                    hist[i]["output"] += len(ev.seq.generated)
+                    session = rec["session"]
+                    nxt = session.next(decode(ev.seq.generated)) if t < seconds else None
+                    if nxt is not None:
+                        delay = 0.0 if rate is None else random.Random(k).expovariate(1.0 / session.think_s) \
+                            if session.think_s else 0.0
+                        heapq.heappush(heap, (t + delay, next(order), "turn", (session, *nxt)))
+                    elif rate is None and t < seconds:
+                        heapq.heappush(heap, (t, next(order), "start", None))
             busy[i] = False
             if engines[i].has_work() or it.stats.active > 0:
                 step(i)
-    ttft = [r["ttft"] * 1000 for r in recs.values()]
-    e2e = [r["e2e"] * 1000 for r in recs.values()]
+    return summarize(cell, target, seconds, recs, tokens_in_window[0], reasons, decide_s, router)
+
+
+def summarize(cell, target, seconds, recs, window_tokens, reasons, decide_s, router) -> dict[str, Any]:
+    ttft = [r["ttft"] * 1000 for r in recs]
+    e2e = [r["e2e"] * 1000 for r in recs]
     n = len(recs)
-    return {"policy": policy if slack is None else f"{policy} slack {slack:g}", "rate": rate, "n": n,
-            "ttft_p50_ms": rb.pct(ttft, 50), "ttft_p90_ms": rb.pct(ttft, 90), "ttft_p99_ms": rb.pct(ttft, 99),
-            "e2e_p99_ms": rb.pct(e2e, 99), "out_tok_s": round(window_tokens / seconds, 1),
-            "kv_hit_rate": round(sum(r["reused"] for r in recs.values()) / max(1, sum(r["blocks"] for r in recs.values())), 3),
-            "share": "/".join(f"{sum(1 for r in recs.values() if r['instance'] == i) / n:.2f}" for i in range(instances)),
-            "spills": reasons.get("prefix-overloaded", 0)}
+    out = {"cell": cell.name, "target": target, "rate": cell.rate(), "n": n,
+           "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+           "e2e_p99_ms": pct(e2e, 99), "out_tok_s": round(window_tokens / seconds, 1),
+           "kv_hit_rate": round(sum(r["reused"] for r in recs) / max(1, sum(r["blocks"] for r in recs)), 3),
+           "share": [round(sum(1 for r in recs if r["i"] == i) / n, 3) for i in range(rc.INSTANCES)],
+           "reasons": reasons, "decide_us_p50": round(statistics.median(decide_s) * 1e6, 1)}
+    est = [(r["est"], r["ttft"]) for r in recs if r["est"] is not None]
+    if est:
+        rel = sorted(abs(e - o) / o for e, o in est if o > 0)
+        out["est_err_p50"] = round(rel[len(rel) // 2], 3)
+        out["est_err_p90"] = round(rel[int(len(rel) * 0.9)], 3)
+        out["est_bias_ms"] = round(statistics.mean(o - e for e, o in est) * 1000, 1)
+        cached = sum(r["cached_est"] for r in recs if r["cached_est"] is not None)
+        reused = sum(r["reused"] * rc.BLOCK for r in recs if r["cached_est"] is not None)
+        out["cached_est_over_reused"] = round(cached / reused, 3) if reused else None
+    book = getattr(router, "book", None)
+    if book is not None:
+        rates = {iid: book.rates(iid) for iid in book.engines}
+        out["rates"] = {iid: None if r is None else {k: round(getattr(r, k), 6) for k in
+                                                     ("iter_s", "prefill_s", "decode_s", "out_tokens")}
+                        for iid, r in rates.items()}
+        out["tokens_per_char"] = router.ratio.value
+    return out
+
+
+def _run(args: tuple) -> dict[str, Any]:
+    cell, target, seconds, seed, policy_kw = args
+    t0 = time.time()
+    r = simulate(cell, target, seconds, seed, policy_kw)
+    r["wall_s"] = round(time.time() - t0, 1)
+    return r
+
+
+def verdicts(rows: list[dict[str, Any]], default: str = "cost-model") -> list[dict[str, Any]]:
+    """Per cell: the default against the best of least-outstanding and nginx (issue 24's goals)."""
+    by_cell: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_cell.setdefault(r["cell"], {})[r["target"]] = r
+    out = []
+    for name, t in by_cell.items():
+        if default not in t or "nginx" not in t:
+            continue
+        d, ngx = t[default], t["nginx"]
+        base = [t[k] for k in ("least-outstanding", "nginx") if k in t]
+        best_ttft = min(b["ttft_p90_ms"] for b in base)
+        best_tps = max(b["out_tok_s"] for b in base)
+        row = {"cell": name, "ttft_p90_vs_best": round(d["ttft_p90_ms"] / best_ttft, 3),
+               "tok_s_vs_best": round(d["out_tok_s"] / best_tps, 3),
+               "ttft_p90_vs_nginx": round(d["ttft_p90_ms"] / ngx["ttft_p90_ms"], 3),
+               "tok_s_vs_nginx": round(d["out_tok_s"] / ngx["out_tok_s"], 3)}
+        row["no_worse"] = row["ttft_p90_vs_best"] <= 1.03 and row["tok_s_vs_best"] >= 0.97
+        out.append(row)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=120.0)
-    ap.add_argument("--rates", default="14,22")
-    ap.add_argument("--slacks", default="4,8,12,16", help="prefix-affinity slacks to compare")
-    ap.add_argument("--policies", default="least-outstanding,kv-aware")
-    ap.add_argument("--tenants", type=int, default=12)
-    ap.add_argument("--prefix-tokens", type=int, default=2048)
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--b", type=int, default=0, help="workload B, closed loop at this concurrency, instead of A")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--kv-tokens", type=int, default=16384)
-    ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--decode-ms", type=float, default=20.0)
-    ap.add_argument("--prefill-ms", type=float, default=0.1)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--shapes", default="8,64")
+    ap.add_argument("--rooms", default="1.5,4")
+    ap.add_argument("--workloads", default=",".join(rc.WORKLOADS))
+    ap.add_argument("--loads", default="r0,r1,r2,closed")
+    ap.add_argument("--targets", default=",".join(rc.TARGETS))
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    ap.add_argument("--policy-kw", default="{}", help="JSON keyword arguments for the engine-aware policies")
+    ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
-    rows = []
-    for rate in [float(x) for x in a.rates.split(",")] if not a.b else [0.0]:
-        for p in filter(None, a.policies.split(",")):
-            rows.append(simulate(p, rate, a.seconds, a, closed=a.b))
-        for s in filter(None, a.slacks.split(",")):
-            rows.append(simulate("prefix-affinity", rate, a.seconds, a, slack=float(s), closed=a.b))
-    what = (f"workload B (closed loop c{a.b})" if a.b else
-            f"workload A: {a.tenants} tenants x {a.prefix_tokens}-token prefixes")
-    print(f"{what} in virtual time, {a.seconds:g} s, 2 instances x {a.slots} slots, KV {a.kv_tokens} tokens, "
-          f"decode {a.decode_ms:g} ms, prefill {a.prefill_ms:g} ms/token")
-    print(rb.table(rows, ["policy", "rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p99_ms", "out_tok_s",
-                          "kv_hit_rate", "share", "spills", "n"]))
+    cs = rc.cells(tuple(int(x) for x in a.shapes.split(",")), tuple(float(x) for x in a.rooms.split(",")),
+                  tuple(a.workloads.split(",")), tuple(a.loads.split(",")))
+    targets = a.targets.split(",")
+    kw = json.loads(a.policy_kw)
+    jobs = [(c, t, a.seconds, a.seed, kw if t.startswith("cost-model") else None) for c in cs for t in targets]
+    t0 = time.time()
+    if a.jobs > 1:
+        with ProcessPoolExecutor(a.jobs) as pool:
+            rows = list(pool.map(_run, jobs))
+    else:
+        rows = [_run(j) for j in jobs]
+    cols = ["target", "rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "out_tok_s", "kv_hit_rate", "share",
+            "n", "est_err_p50", "decide_us_p50"]
+    for c in cs:
+        print(f"\n{c.name}  (KV {c.kv_tokens} tokens, tenants {c.tenants}, "
+              f"{'rate ' + str(c.rate()) + ' req/s' if c.rate() else 'closed c' + str(c.concurrency)})")
+        cell_rows = [dict(r, share="/".join(f"{x:.2f}" for x in r["share"])) for r in rows if r["cell"] == c.name]
+        print(table(cell_rows, cols))
+        for r in cell_rows:
+            if r["target"] == "cost-model":
+                print(f"  cost-model reasons {r['reasons']}  bias {r.get('est_bias_ms')} ms  "
+                      f"cached/reused {r.get('cached_est_over_reused')}  ratio {r.get('tokens_per_char')}  "
+                      f"rates {r.get('rates')}")
+    v = verdicts(rows)
+    if v:
+        print("\nverdicts (cost-model vs best of least-outstanding/nginx; vs nginx):")
+        print(table(v, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
+                        "no_worse"]))
+        print(f"no worse in {sum(r['no_worse'] for r in v)}/{len(v)} cells")
+    print(f"wall {time.time() - t0:.0f} s")
+    if not a.no_write:
+        result = {"bench": "routing_sim", "seconds": a.seconds, "seed": a.seed, "policy_kw": kw,
+                  "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v}
+        print("wrote", write_result("routing_sim", result, None))
     return 0
 
 

@@ -23,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 (NVIDIA's Triton containers): the same parser from PyPI
     import tomli as tomllib
 
-LB_POLICIES = ("least-outstanding", "round-robin", "kv-aware", "prefix-affinity")
+LB_POLICIES = ("least-outstanding", "round-robin", "kv-aware", "prefix-affinity", "cost-model")
 PROXY_MODES = ("embedded", "nginx", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PLACEMENTS = ("topology", "ordered")

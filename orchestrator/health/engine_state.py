@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-_LINE = re.compile(r'^(nv_trt_llm_[a-z_]+|nv_inference_pending_request_count|nv_llm_input_token_len_sum)'
-                   r'\{([^}]*)\}\s+(\S+)')
+_LINE = re.compile(r'^(nv_trt_llm_[a-z_]+|nv_inference_pending_request_count'
+                   r'|nv_llm_(?:in|out)put_token_len_(?:sum|count))\{([^}]*)\}\s+(\S+)')
+# The response histograms (one observation per finished request), summed over models.
+_HISTOGRAMS = {"nv_llm_input_token_len_sum": "input_tokens", "nv_llm_input_token_len_count": "finished",
+               "nv_llm_output_token_len_sum": "output_tokens"}
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 # (family, its category label) -> snapshot field, per category value
@@ -30,7 +33,9 @@ _FIELDS = {
     ("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"): {
         "max": "kv_max", "free": "kv_free", "used": "kv_used", "tokens_per": "tokens_per_block",
         "reused": "kv_reused"},
-    ("nv_trt_llm_general_metrics", "general_type"): {"iteration_counter": "iteration"},
+    ("nv_trt_llm_general_metrics", "general_type"): {"iteration_counter": "iteration", "timestamp": "timestamp_us"},
+    ("nv_trt_llm_inflight_batcher_metrics", "inflight_batcher_specific_metric"): {
+        "total_context_tokens": "context_tokens"},
 }
 
 
@@ -52,6 +57,14 @@ class EngineSnapshot:
     # Prompt tokens of finished requests, cumulative (nv_llm_input_token_len's sum; 0 where
     # the version exports no such histogram): the denominator of the reuse hit rate.
     input_tokens: int = 0
+    # What the routing cost model learns rates from (routing/cost_model.py); 0 where the
+    # version exports none. The last iteration's start (microseconds, the engine's clock) and
+    # its prompt tokens in context phase; finished requests (the input histogram's count) and
+    # their output tokens (the output histogram's sum), cumulative.
+    timestamp_us: int = 0
+    context_tokens: int = 0
+    finished: int = 0
+    output_tokens: int = 0
 
     @property
     def has_engine(self) -> bool:
@@ -92,8 +105,11 @@ def parse_engine_metrics(text: str, at: float | None = None) -> EngineSnapshot:
         if family == "nv_inference_pending_request_count":
             values["pending"] = values.get("pending", 0.0) + value
             continue
-        if family == "nv_llm_input_token_len_sum":
-            values["input_tokens"] = values.get("input_tokens", 0.0) + value
+        hist = _HISTOGRAMS.get(family)
+        if hist is not None:
+            values[hist] = values.get(hist, 0.0) + value
+            continue
+        if family.startswith("nv_llm_"):
             continue
         labels = dict(_LABEL.findall(labels_text))
         for (name, label), fields in _FIELDS.items():

@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from orchestrator.routing.backends import Backend
+from orchestrator.routing.cost_policy import CostModel
 from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints
 
 LEAST_OUTSTANDING = "least-outstanding"
@@ -113,6 +114,7 @@ POLICIES: dict[str, Callable[[random.Random], Policy]] = {
     ROUND_ROBIN: RoundRobin,
     "kv-aware": KvAware,
     "prefix-affinity": PrefixAffinity,
+    "cost-model": CostModel,
 }
 
 
@@ -153,12 +155,18 @@ class Balancer:
     @property
     def wants_prompt(self) -> bool:
         """Whether `pick` can use the request's prompt (worth parsing the body for)."""
-        return isinstance(self._policy, PrefixAffinity)
+        return isinstance(self._policy, PrefixAffinity) or getattr(self._policy, "wants_prompt", False)
 
     @property
     def last_reason(self) -> str:
         """Why the last pick went where it did (for the routing-decision metrics)."""
         return getattr(self._policy, "last_reason", "") or self.policy
+
+    @property
+    def last_decision(self) -> Any:
+        """The last pick's estimate (cost_policy.Decision; None for other policies): the proxy
+        hands it to ProxyMetrics.route_decision, whose TTFT timer reports the first token to it."""
+        return getattr(self._policy, "last_decision", None)
 
     # --- choice ----------------------------------------------------------------
     def pick(self, backends: Sequence[Backend], exclude: Collection[str] = (),

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from orchestrator.routing.backends import Backend
-from orchestrator.routing.prefix_index import PrefixIndex, chunk_keys
+from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex, chunk_keys
 
 KV_WEIGHT = 0.5  # a full KV cache counts as half a batch of extra requests
 # prefix-affinity follows a holder while its load is within this many requests of the least
@@ -54,10 +55,18 @@ class RouteHints:
     """What a policy may know about the request; built by the proxy, only when the policy wants it."""
 
     prompt_keys: tuple[bytes, ...] = ()
+    prompt_chars: int = 0  # the prompt's length as read (prompt.MAX_PROMPT_CHARS at most)
+    # A checksum of the prompt's head (its first chunk): where estimates tie, every worker
+    # breaks the tie alike, and a prompt's tenants land together (cost_policy.py).
+    route_key: int = 0
 
     @classmethod
     def from_prompt(cls, prompt: str | None) -> "RouteHints | None":
-        return cls(tuple(chunk_keys(prompt))) if prompt else None
+        if not prompt:
+            return None
+        keys = tuple(chunk_keys(prompt))
+        head = keys[0] if keys else prompt[:DEFAULT_CHUNK_CHARS].encode("utf-8", "surrogatepass")
+        return cls(keys, len(prompt), zlib.crc32(head))
 
 
 class InflightHistory:

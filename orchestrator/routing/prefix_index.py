@@ -49,20 +49,26 @@ class PrefixIndex:
 
     def match(self, keys: list[bytes]) -> tuple[int, dict[str, int]]:
         """For each instance, how many leading chunks of `keys` it holds (0 entries omitted)."""
+        n, found = self.match_recency(keys)
+        return n, {iid: depth for iid, (depth, _) in found.items()}
+
+    def match_recency(self, keys: list[bytes]) -> tuple[int, dict[str, tuple[int, float]]]:
+        """As `match`, with the time each instance was last routed its deepest matched chunk:
+        how long its engine has had to evict it since (routing/cost_policy.py)."""
         now = self._clock()
-        depth: dict[str, int] = {}
+        found: dict[str, tuple[int, float]] = {}
         alive: set[str] | None = None
         for n, key in enumerate(keys, 1):
             holders = self._holders.get(key)
             if not holders:
                 break
             current = {iid for iid, t in holders.items() if now - t <= self.ttl_s}
-            alive = current if alive is None else alive & current  # the chain must be unbroken
+            alive = current if alive is None else alive & current
             if not alive:
                 break
             for iid in alive:
-                depth[iid] = n
-        return len(keys), depth
+                found[iid] = (n, holders[iid])
+        return len(keys), found
 
     def record(self, keys: list[bytes], instance_id: str) -> None:
         now = self._clock()

@@ -1,0 +1,314 @@
+"""An engine's rates, learnt online from what it reports, and what a request would cost there
+in seconds: the model behind the `cost-model` policy (cost_policy.py). Pure logic.
+
+Rates come from the engines' scrapes (the engine monitors' snapshots), every snapshot in
+order as the instance's EngineView publishes it. Every data-plane worker receives the same
+snapshots in the same order, so every worker learns the same rates:
+
+    iter_s      seconds per engine iteration while busy, per instance: over two scrapes, the
+                advance of the last iteration's start (TRT-LLM's `timestamp`) over that of
+                `iteration_counter`; the prefill of that instance's traffic is in it
+    out_tokens  output tokens per finished request, per instance (TRT-LLM's output histogram
+                over the input histogram's count): how many iterations a request holds a slot
+    prefill_s   seconds per prompt token computed (not taken from the KV cache), and
+    decode_s    seconds per iteration without prompt tokens, per engine shape (slots, KV
+                blocks, block size: the same engine on the same GPUs computes alike, and
+                pooling the instances' samples halves the noise and keeps it from making one
+                instance look dearer than its twin): a least-squares fit of the busy spans,
+                T = a * n + prefill_s * c + b, with n the iterations in the span and c the prompt
+                tokens its first iteration had in context phase (`total_context_tokens`, the
+                scraped iteration's own); the span's other iterations are unseen, so a long span
+                weighs less; decode_s = a + b (one iteration with c = 0)
+
+The prefill and decode rates are kept on a grid of 1/16 octave, as the token ratio is
+(tokens.py): a worker that learnt a hair differently (it started later) decides alike.
+
+Estimated time to first token for a request with `uncached` prompt tokens to prefill there
+(its own not likely cached, and those routed there before it and not prefilled yet), behind
+`n` requests (ours from every worker, and what the engine holds that we did not send):
+
+    wait  = max(0, n - slots + 1) * out_tokens * iter_s / slots   (slots free one by one)
+    ttft  = wait + prefill_s * uncached + decode_s
+
+`slots` is what runs at once: the batch slots, or fewer where the engine reports requests
+waiting for KV blocks (it runs what fits). Everything is in the engine's units: nothing here
+was tuned on one engine shape. The constants left are about the scrape cadence (FORGET).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+
+from orchestrator.health.engine_state import EngineSnapshot
+
+# Each sample counts this much less per newer sample: the per-instance sums remember ~100 busy
+# scrapes (10 s at the monitor's 10 Hz), a shape's pooled fit ~500 samples (25 s of two busy
+# instances). The prefill slope is seen only through one iteration per span, so its fit needs
+# the longer memory: routing_sim (mixed long/short, 8 slots, closed loop) with 0.99 per
+# instance learnt prefill_s 0.76x and 2.5x the twin's 0.1 ms on its two instances; pooled at
+# 0.998, within 10% on every cell of the matrix after its first 20 s.
+FORGET = 0.99
+FORGET_FIT = 0.998
+# Output tokens per request before any request finished, or where the version exports no output
+# histogram: a chat answer's order of magnitude. Only the queueing term uses it.
+PRIOR_OUT_TOKENS = 64.0
+GRID = 16  # steps per octave for learnt rates
+
+
+def on_grid(x: float) -> float:
+    return 2.0 ** (round(math.log2(x) * GRID) / GRID) if x > 0 else 0.0
+
+
+class _Fit3:
+    """Weighted least squares of y = a*x1 + b*x2 + c with exponential forgetting."""
+
+    __slots__ = ("s",)
+
+    def __init__(self) -> None:
+        # sums of w, w*x1, w*x2, w*x1^2, w*x1*x2, w*x2^2, w*y, w*x1*y, w*x2*y
+        self.s = [0.0] * 9
+
+    def add(self, x1: float, x2: float, y: float, w: float) -> None:
+        s = self.s
+        for i in range(9):
+            s[i] *= FORGET_FIT
+        s[0] += w
+        s[1] += w * x1
+        s[2] += w * x2
+        s[3] += w * x1 * x1
+        s[4] += w * x1 * x2
+        s[5] += w * x2 * x2
+        s[6] += w * y
+        s[7] += w * x1 * y
+        s[8] += w * x2 * y
+
+    def solve(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None while x2 has not varied enough to tell its slope."""
+        w, s1, s2, s11, s12, s22, sy, s1y, s2y = self.s
+        if w <= 0:
+            return None
+        # Centred on the weighted means: a 2x2 system for (a, b), then c.
+        m1, m2, my = s1 / w, s2 / w, sy / w
+        v11 = s11 / w - m1 * m1
+        v12 = s12 / w - m1 * m2
+        v22 = s22 / w - m2 * m2
+        c1y = s1y / w - m1 * my
+        c2y = s2y / w - m2 * my
+        det = v11 * v22 - v12 * v12
+        # x2's variance left after x1 explains what it can: zero while every sample had the
+        # same context tokens (no prefill seen yet), and then the slope is unknown.
+        if v22 <= 0 or det <= 1e-9 * v22 * max(v11, 1e-12):
+            return None
+        a = (c1y * v22 - c2y * v12) / det
+        b = (c2y * v11 - c1y * v12) / det
+        return a, b, my - a * m1 - b * m2
+
+
+@dataclass(frozen=True)
+class Rates:
+    iter_s: float
+    prefill_s: float
+    decode_s: float
+    out_tokens: float
+
+
+class EngineRates:
+    """One instance: its shape, iteration time, output length and KV writes (module doc)."""
+
+    __slots__ = ("last", "slots", "kv_blocks", "block_tokens", "_span_s", "_span_n", "_out", "_fin",
+                 "iter_s", "out_tokens", "_fits_n", "_fits_w", "ctx_tokens")
+
+    def __init__(self) -> None:
+        self.last: EngineSnapshot | None = None
+        self.slots = 0
+        self.kv_blocks = 0
+        self.block_tokens = 0
+        self._span_s = 0.0  # forgotten sums of busy span seconds and iterations
+        self._span_n = 0.0
+        self._out = 0.0  # forgotten sums of output tokens and finished requests
+        self._fin = 0.0
+        self.iter_s: float | None = None
+        self.ctx_tokens = 0.0  # prompt tokens an iteration computes, on average while busy
+        self.out_tokens = PRIOR_OUT_TOKENS
+        # How many requests run at once while some wait for KV blocks (forgotten sums): the
+        # batch a KV-bound engine really has.
+        self._fits_n = 0.0
+        self._fits_w = 0.0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.slots, self.kv_blocks, self.block_tokens
+
+    def running(self) -> int:
+        """Requests that run at once now: the batch slots, or while the last scrape showed
+        requests waiting for KV blocks, how many ran at once in such scrapes."""
+        snap = self.last
+        if snap is not None and snap.waiting > 0 and self._fits_w > 0:
+            return max(1, min(self.slots, round(self._fits_n / self._fits_w)))
+        return self.slots
+
+    def update(self, snap: EngineSnapshot) -> tuple[tuple[float, float, float] | None, tuple[float, float] | None]:
+        """Learn from the next snapshot. Returns the busy span for the shape's fit (iterations,
+        context tokens of its first, seconds) and the input histogram's advance (tokens,
+        requests); either None."""
+        prev, self.last = self.last, snap
+        self.slots = snap.max_active or self.slots
+        self.kv_blocks = snap.kv_max or self.kv_blocks
+        self.block_tokens = snap.tokens_per_block or self.block_tokens
+        if snap.waiting > 0 and snap.scheduled > 0:
+            self._fits_n = self._fits_n * FORGET + snap.scheduled
+            self._fits_w = self._fits_w * FORGET + 1.0
+        if prev is None or snap.iteration is None or prev.iteration is None:
+            return None, None
+        if snap.iteration < prev.iteration or snap.finished < prev.finished:
+            return None, None  # the engine restarted: its counters began again
+        n = snap.iteration - prev.iteration
+        span = (snap.timestamp_us - prev.timestamp_us) / 1e6
+        sample = None
+        # Both scrapes busy: the engine iterated back to back in between (TRT-LLM's counters
+        # freeze while it idles, and the scrape before an idle gap shows active 0).
+        if n > 0 and span > 0 and prev.active > 0 and snap.active > 0 and prev.timestamp_us > 0:
+            sample = (n, float(prev.context_tokens), span)
+            # The scraped iterations are a sample of all: their mean is the mean.
+            self.ctx_tokens += (prev.context_tokens - self.ctx_tokens) * (1.0 - FORGET)
+            self._span_s = self._span_s * FORGET + span
+            self._span_n = self._span_n * FORGET + n
+            self.iter_s = self._span_s / self._span_n
+        d_fin = snap.finished - prev.finished
+        d_out = snap.output_tokens - prev.output_tokens
+        if d_fin > 0 and d_out > 0:
+            k = FORGET ** d_fin  # over the last ~100 finished requests
+            self._out = self._out * k + d_out
+            self._fin = self._fin * k + d_fin
+            self.out_tokens = self._out / self._fin
+        moved = (snap.input_tokens - prev.input_tokens, d_fin) if d_fin > 0 else None
+        return sample, moved
+
+class WriteLog:
+    """What was routed to one instance, cumulative with when: requests, and prompt blocks they
+    need computed there. The engine serves in arrival order, so what was routed after a prefix
+    is what runs between that prefix's request and the next one (module doc: cached_blocks)."""
+
+    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests")
+
+    def __init__(self) -> None:
+        self.blocks = 0.0
+        self.requests = 0
+        self._at: deque[float] = deque()
+        self._blocks: deque[float] = deque()
+        self._requests: deque[int] = deque()
+
+    def add(self, at: float, blocks: float, horizon: float) -> None:
+        self.blocks += blocks
+        self.requests += 1
+        self._at.append(at)
+        self._blocks.append(self.blocks)
+        self._requests.append(self.requests)
+        # Entries a whole `horizon` of blocks back (two caches) are not needed: what was routed
+        # before them is evicted whatever else happened.
+        while len(self._at) > 2 and self.blocks - self._blocks[1] > horizon:
+            self._at.popleft()
+            self._blocks.popleft()
+            self._requests.popleft()
+
+    def since(self, t: float) -> tuple[float, int]:
+        """(blocks, requests) routed after monotonic time `t`; (inf, ...) beyond the log."""
+        at = self._at
+        if not at or t >= at[-1]:
+            return 0.0, 0
+        i = bisect_right(at, t)
+        if i == 0:
+            return math.inf, self.requests
+        return self.blocks - self._blocks[i - 1], self.requests - self._requests[i - 1]
+
+
+def cached_blocks(depth_blocks: int, written: float, requests: int, running: int, free_blocks: int) -> int:
+    """Of a prefix of `depth_blocks` blocks routed to an instance, the leading blocks likely
+    still cached when the next request runs there, after `requests` requests computing `written`
+    blocks were routed there in between. Fewer of them than run at once (`running`): the one
+    that carried the prefix still runs beside the next, and holds its blocks. Else they were
+    released into the free pool (`free_blocks` not held by running requests) as its most recently
+    used, tail first, and each computed block takes the least recently used free one: the prefix
+    loses its tail once the pool's older blocks are gone."""
+    if requests < running:
+        return depth_blocks
+    older = free_blocks - depth_blocks
+    lost = written - max(0, older)
+    if lost <= 0:
+        return depth_blocks
+    if lost >= depth_blocks:
+        return 0
+    return depth_blocks - int(math.ceil(lost))
+
+
+class RateBook:
+    """Every instance's EngineRates and every shape's fit, fed each snapshot in order."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineRates] = {}
+        self._fits: dict[tuple[int, int, int], _Fit3] = {}
+        self._shape_rates: dict[tuple[int, int, int], float] = {}  # shape -> prefill_s
+        self._rates: dict[str, Rates] = {}
+
+    def observe(self, iid: str, snap: EngineSnapshot) -> tuple[float, float] | None:
+        """A new snapshot of instance `iid`; returns its input histogram's advance, if any."""
+        er = self.engines.get(iid)
+        if er is None:
+            er = self.engines[iid] = EngineRates()
+        if not snap.has_engine:
+            return None
+        sample, moved = er.update(snap)
+        shape = er.shape
+        if sample is not None:
+            fit = self._fits.get(shape)
+            if fit is None:
+                fit = self._fits[shape] = _Fit3()
+            n, c, span = sample
+            fit.add(n, c, span, 1.0 / n)
+            solved = fit.solve()
+            if solved is not None:
+                self._shape_rates[shape] = on_grid(max(0.0, solved[1]))
+        self._refresh(iid, er)
+        return moved
+
+    def _refresh(self, iid: str, er: EngineRates) -> None:
+        if er.iter_s is None:
+            return
+        prefill_s = self._shape_rates.get(er.shape, 0.0)
+        # An iteration is decode_s plus prefill_s per prompt token it computes: what is left of
+        # the instance's mean iteration once its mean prompt tokens are taken out.
+        decode_s = on_grid(max(er.iter_s - prefill_s * er.ctx_tokens, 0.1 * er.iter_s))
+        self._rates[iid] = Rates(on_grid(er.iter_s), prefill_s, decode_s, er.out_tokens)
+
+    def rates(self, iid: str) -> Rates | None:
+        """The instance's rates; before its engine was ever busy, those of a busy instance of
+        the same shape (the same engine); None while there is none."""
+        r = self._rates.get(iid)
+        if r is not None:
+            return r
+        er = self.engines.get(iid)
+        if er is None:
+            return None
+        shape = er.shape
+        for other, oer in self.engines.items():
+            if oer.shape == shape and other in self._rates:
+                return self._rates[other]
+        return None
+
+    def forget(self, iid: str) -> None:
+        """The instance restarts: its counters begin again (its shape's rates stay)."""
+        er = self.engines.get(iid)
+        if er is not None:
+            er.last = None
+
+
+def ttft_estimate(r: Rates, slots: int, n: float, uncached: float) -> float:
+    """Seconds to the first token of a request behind `n` requests, with `uncached` prompt
+    tokens to prefill (see the module doc)."""
+    wait = 0.0
+    if slots and n >= slots:
+        wait = (n - slots + 1) * r.out_tokens * r.iter_s / slots
+    return wait + r.prefill_s * uncached + r.decode_s

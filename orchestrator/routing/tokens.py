@@ -1,0 +1,99 @@
+"""Prompt characters to engine tokens, for routing in the engine's own units. Pure logic.
+
+The proxy sees prompt text; the engine counts tokens, caches them in blocks of
+`tokens_per_block`, and prefills the tokens it did not cache. The routing cost model
+needs prompt lengths in tokens, and tokenizing every prompt on the request path costs
+milliseconds for long ones, so it uses a ratio, tokens per character, learnt from:
+
+- the model repository's tokenizer, where the data plane hands one over (`count`):
+  one prompt in SAMPLE_EVERY is tokenized and the ratio is the running total of
+  tokens over characters;
+- else the engines' own input lengths: TRT-LLM's `nv_llm_input_token_len` histogram
+  (sum over count: mean prompt tokens per finished request, all instances together)
+  over the mean length in characters of the prompts routed with a known prompt.
+
+The ratio is kept on a grid of 1/16 octave (about 4%): every data-plane worker learns
+it from a slightly different sample of prompts, and on the grid they agree (a decision
+must not depend on which worker took the request).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+# Before anything was learnt: English text through a BPE tokenizer is about 4 characters
+# per token. Replaced by the first calibration (the first finished requests), so it only
+# decides the first few routes.
+PRIOR_TOKENS_PER_CHAR = 0.25
+SAMPLE_EVERY = 64  # tokenizer path: one prompt in 64 pays for its tokenization
+GRID = 16  # steps per octave
+KEEP = 1.0 - 1.0 / 4096  # the means forget over a few thousand requests
+
+
+def on_grid(ratio: float) -> float:
+    return 2.0 ** (round(math.log2(ratio) * GRID) / GRID)
+
+
+class TokenRatio:
+    """Tokens per prompt character; `value` is on the grid."""
+
+    __slots__ = ("value", "source", "_count", "_seen", "_tok_sum", "_char_sum", "_chars_n", "_chars_sum",
+                 "_engine_n", "_engine_sum")
+
+    def __init__(self, count: Callable[[str], int] | None = None) -> None:
+        self.value = PRIOR_TOKENS_PER_CHAR
+        self.source = "prior"
+        self._count = count
+        self._seen = 0
+        self._tok_sum = 0.0
+        self._char_sum = 0.0
+        # Forgotten sums: prompts routed and their characters; requests the engines finished and
+        # their prompt tokens (all instances together).
+        self._chars_n = 0.0
+        self._chars_sum = 0.0
+        self._engine_n = 0.0
+        self._engine_sum = 0.0
+
+    def tokens(self, chars: int) -> int:
+        return int(chars * self.value)
+
+    # --- what the router sees ----------------------------------------------------------------
+    def prompt(self, text_len: int, text: str | None = None) -> None:
+        """A prompt routed (its length in characters; its text where a tokenizer may sample it)."""
+        if text_len <= 0:
+            return
+        # Mean characters per prompt, over the last few thousand prompts: the engine's mean is
+        # over the requests that finished lately, which lag the ones routed; over thousands the
+        # lag is a few percent, below the grid.
+        self._chars_n = self._chars_n * KEEP + 1.0
+        self._chars_sum = self._chars_sum * KEEP + text_len
+        if self._count is not None and text is not None:
+            self._seen += 1
+            if self._seen % SAMPLE_EVERY == 1:
+                self._tok_sum += self._count(text)
+                self._char_sum += len(text)
+                self._set(self._tok_sum / self._char_sum, "tokenizer")
+                return
+        if self.source != "tokenizer":
+            self._calibrate()
+
+    def engine(self, d_tokens: float, d_finished: float) -> None:
+        """An engine's input histogram moved: `d_finished` requests with `d_tokens` prompt tokens."""
+        if d_finished <= 0 or d_tokens <= 0:
+            return
+        k = KEEP ** d_finished
+        self._engine_n = self._engine_n * k + d_finished
+        self._engine_sum = self._engine_sum * k + d_tokens
+        if self.source != "tokenizer":
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        if self._engine_n < 1 or self._chars_n < 1:
+            return
+        self._set((self._engine_sum / self._engine_n) / (self._chars_sum / self._chars_n), "engine")
+
+    def _set(self, ratio: float, source: str) -> None:
+        if ratio > 0:
+            self.value = on_grid(ratio)
+            self.source = source
