@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 PREFIX_TOKENS = 2048
 BLOCK = 64
@@ -189,9 +189,9 @@ def sessions(cell: Cell, salt: str, seed: str) -> Iterator[Session]:
 _MEANS = {
     "uniform": (80 + 14, 20, 80 + 14 + 20),
     "zipf": (80 + 14, 20, 80 + 14 + 20),
-    # a turn's new message and the previous answer (~32 tokens of ~6 bytes) are new; the
-    # history (~1800 tokens on average over the turns) is held while it runs
-    "chat": (100 + 6 * 32 + 12, 32, 1800),
+    # the caches hold only a few conversations' histories (~1600 tokens on average over the
+    # turns) beside the slots: the nominal capacity counts every turn's prompt as computed
+    "chat": (1600, 32, 1650),
     "unique": (528, 32.5, 528 + 32.5),
     "mixed": (0.8 * 144 + 0.2 * 2048, 36, 0.8 * 144 + 0.2 * 2048 + 36),
 }
@@ -206,3 +206,25 @@ def capacity(cell: Cell) -> float:
     batch = max(1.0, min(cell.slots, (cell.kv_tokens - shared) / held))
     per_request_s = (PREFILL_MS * prefill + out * DECODE_MS / batch) / 1000.0
     return INSTANCES / per_request_s
+
+
+def verdicts(rows: list[dict[str, Any]], default: str = "cost-model") -> list[dict[str, Any]]:
+    """Per cell: the default against the best of least-outstanding and nginx (issue 24's goals)."""
+    by_cell: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_cell.setdefault(r["cell"], {})[r["target"]] = r
+    out = []
+    for name, t in by_cell.items():
+        if default not in t or "nginx" not in t:
+            continue
+        d, ngx = t[default], t["nginx"]
+        base = [t[k] for k in ("least-outstanding", "nginx") if k in t]
+        best_ttft = min(b["ttft_p90_ms"] for b in base)
+        best_tps = max(b["out_tok_s"] for b in base)
+        row = {"cell": name, "ttft_p90_vs_best": round(d["ttft_p90_ms"] / best_ttft, 3),
+               "tok_s_vs_best": round(d["out_tok_s"] / best_tps, 3),
+               "ttft_p90_vs_nginx": round(d["ttft_p90_ms"] / ngx["ttft_p90_ms"], 3),
+               "tok_s_vs_nginx": round(d["out_tok_s"] / ngx["out_tok_s"], 3)}
+        row["no_worse"] = row["ttft_p90_vs_best"] <= 1.03 and row["tok_s_vs_best"] >= 0.97
+        out.append(row)
+    return out

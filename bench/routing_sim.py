@@ -81,7 +81,7 @@ class StaticPartition:
         self.prompt = ""
 
     def choose(self, backends, skip, inflight, hints=None):
-        m = re.search(r" tenant (\d+)\]", self.prompt[:80])
+        m = re.search(r" tenant (\d+)\]", self.prompt[:80]) or re.search(r"\[sim\d+-(\d+)\] User", self.prompt[:400])
         if m is None:
             return self._lo.choose(backends, skip, inflight, hints)
         return backends[int(m.group(1)) % len(backends)]
@@ -98,8 +98,26 @@ def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None =
     return cls(rng, clock=clock, **(policy_kw or {}))
 
 
-def simulate(cell: rc.Cell, target: str, seconds: float, seed: int = 1,
+def simulate(cell: rc.Cell, target: str, seconds: float, seeds: tuple[int, ...] = (1,),
              policy_kw: dict | None = None) -> dict[str, Any]:
+    """One target on one cell, once per seed (its own arrivals and prompts); the requests of
+    every seed pooled."""
+    recs: list[dict[str, Any]] = []
+    reasons: dict[str, int] = {}
+    decide_s: list[float] = []
+    tokens = 0
+    router = None
+    for seed in seeds:
+        r, t, why, dec, router = _one_seed(cell, target, seconds, seed, policy_kw)
+        recs += r
+        tokens += t
+        for k, v in why.items():
+            reasons[k] = reasons.get(k, 0) + v
+        decide_s += dec
+    return summarize(cell, target, seconds * len(seeds), recs, tokens, reasons, decide_s, router)
+
+
+def _one_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: dict | None):
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
     cfg = EngineConfig(max_batch_size=cell.slots, max_tokens_in_paged_kv_cache=cell.kv_tokens,
@@ -217,7 +235,10 @@ def simulate(cell: rc.Cell, target: str, seconds: float, seed: int = 1,
             busy[i] = False
             if engines[i].has_work() or it.stats.active > 0:
                 step(i)
-    return summarize(cell, target, seconds, recs, tokens_in_window[0], reasons, decide_s, router)
+    for rec in recs:
+        rec.pop("session")
+        rec.pop("decision")
+    return recs, tokens_in_window[0], reasons, decide_s, router
 
 
 def summarize(cell, target, seconds, recs, window_tokens, reasons, decide_s, router) -> dict[str, Any]:
@@ -250,33 +271,46 @@ def summarize(cell, target, seconds, recs, window_tokens, reasons, decide_s, rou
 
 
 def _run(args: tuple) -> dict[str, Any]:
-    cell, target, seconds, seed, policy_kw = args
+    cell, target, seconds, seeds, policy_kw = args
     t0 = time.time()
-    r = simulate(cell, target, seconds, seed, policy_kw)
+    r = simulate(cell, target, seconds, seeds, policy_kw)
     r["wall_s"] = round(time.time() - t0, 1)
     return r
 
 
-def verdicts(rows: list[dict[str, Any]], default: str = "cost-model") -> list[dict[str, Any]]:
-    """Per cell: the default against the best of least-outstanding and nginx (issue 24's goals)."""
-    by_cell: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        by_cell.setdefault(r["cell"], {})[r["target"]] = r
-    out = []
-    for name, t in by_cell.items():
-        if default not in t or "nginx" not in t:
+def plot(result: dict[str, Any], plt: Any) -> Any:
+    """Per cell: the engine-aware targets' TTFT p90 and tokens/s over the best of
+    least-outstanding and nginx (below / above 1 is better), with issue 24's bounds."""
+    rows = result["rows"]
+    cells = result["cells"]
+    by = {(r["cell"], r["target"]): r for r in rows}
+    fig, axes = plt.subplots(2, 1, figsize=(max(12, 0.22 * len(cells)), 8.5), sharex=True)
+    xs = range(len(cells))
+    for target, color, marker in (("cost-model", "tab:green", "o"), ("prefix-affinity", "tab:olive", "x"),
+                                  ("round-robin", "tab:gray", ".")):
+        if (cells[0], target) not in by:
             continue
-        d, ngx = t[default], t["nginx"]
-        base = [t[k] for k in ("least-outstanding", "nginx") if k in t]
-        best_ttft = min(b["ttft_p90_ms"] for b in base)
-        best_tps = max(b["out_tok_s"] for b in base)
-        row = {"cell": name, "ttft_p90_vs_best": round(d["ttft_p90_ms"] / best_ttft, 3),
-               "tok_s_vs_best": round(d["out_tok_s"] / best_tps, 3),
-               "ttft_p90_vs_nginx": round(d["ttft_p90_ms"] / ngx["ttft_p90_ms"], 3),
-               "tok_s_vs_nginx": round(d["out_tok_s"] / ngx["out_tok_s"], 3)}
-        row["no_worse"] = row["ttft_p90_vs_best"] <= 1.03 and row["tok_s_vs_best"] >= 0.97
-        out.append(row)
-    return out
+        for ax, key, best in ((axes[0], "ttft_p90_ms", min), (axes[1], "out_tok_s", max)):
+            ys = []
+            for c in cells:
+                base = [by[(c, t)][key] for t in ("least-outstanding", "nginx") if (c, t) in by]
+                ys.append(by[(c, target)][key] / best(base) if base and best(base) else float("nan"))
+            ax.plot(xs, ys, marker, color=color, label=target, markersize=5)
+    for ax, lines in ((axes[0], (1.03, 0.5)), (axes[1], (0.97, 1.3))):
+        for y in lines:
+            ax.axhline(y, color="k", lw=0.6, ls="--" if y in (1.03, 0.97) else ":")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("TTFT p90 / best baseline")
+    axes[1].set_ylabel("tokens/s / best baseline")
+    axes[0].legend(fontsize=8)
+    axes[1].set_xticks(list(xs))
+    axes[1].set_xticklabels(cells, rotation=90, fontsize=6)
+    fig.suptitle(f"routing_sim: issue 24's matrix in virtual time ({result['seconds']:g} s x {len(result['seeds'])} "
+                 "seeds per cell and target); baseline = best of least-outstanding and nginx least_conn; dashed: "
+                 "no worse than 3%, dotted: TTFT 0.5x / tokens 1.3x", fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def main() -> int:
@@ -287,16 +321,18 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(rc.WORKLOADS))
     ap.add_argument("--loads", default="r0,r1,r2,closed")
     ap.add_argument("--targets", default=",".join(rc.TARGETS))
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", default="1", help="one run per seed, requests pooled")
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--policy-kw", default="{}", help="JSON keyword arguments for the engine-aware policies")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", help="write the JSON here instead of bench/results/routing_sim-<stamp>.json")
     a = ap.parse_args()
     cs = rc.cells(tuple(int(x) for x in a.shapes.split(",")), tuple(float(x) for x in a.rooms.split(",")),
                   tuple(a.workloads.split(",")), tuple(a.loads.split(",")))
     targets = a.targets.split(",")
     kw = json.loads(a.policy_kw)
-    jobs = [(c, t, a.seconds, a.seed, kw if t.startswith("cost-model") else None) for c in cs for t in targets]
+    seeds = tuple(int(x) for x in a.seeds.split(","))
+    jobs = [(c, t, a.seconds, seeds, kw if t.startswith("cost-model") else None) for c in cs for t in targets]
     t0 = time.time()
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as pool:
@@ -315,17 +351,20 @@ def main() -> int:
                 print(f"  cost-model reasons {r['reasons']}  bias {r.get('est_bias_ms')} ms  "
                       f"cached/reused {r.get('cached_est_over_reused')}  ratio {r.get('tokens_per_char')}  "
                       f"rates {r.get('rates')}")
-    v = verdicts(rows)
+    v = rc.verdicts(rows)
     if v:
         print("\nverdicts (cost-model vs best of least-outstanding/nginx; vs nginx):")
         print(table(v, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
                         "no_worse"]))
         print(f"no worse in {sum(r['no_worse'] for r in v)}/{len(v)} cells")
     print(f"wall {time.time() - t0:.0f} s")
-    if not a.no_write:
-        result = {"bench": "routing_sim", "seconds": a.seconds, "seed": a.seed, "policy_kw": kw,
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"rows": rows, "verdicts": v}, f)
+    if not a.no_write and not a.out:
+        result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "policy_kw": kw,
                   "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v}
-        print("wrote", write_result("routing_sim", result, None))
+        print("wrote", write_result("routing_sim", result, plot))
     return 0
 
 

@@ -32,11 +32,11 @@ REFRESH_S = 0.5
 _STATE_STYLE = {"READY": "bold green", "UNHEALTHY": "bold yellow", "STARTING": "cyan",
                 "BACKOFF": "yellow", "STOPPING": "magenta", "FAILED": "bold red", "STOPPED": "dim"}
 COLUMNS = ("ID", "STATE", "REASON", "GPUS", "UPTIME", "RESTARTS", "INFLIGHT", "WAITING", "ACTIVE",
-           "KV", "REUSE", "TTFT p50", "TTFT p99", "TOK/s", "GPU MEM", "GPU UTIL")
+           "KV", "REUSE", "TTFT p50", "TTFT p99", "TOK/s", "ROUTE h/m/s", "EST ERR", "GPU MEM", "GPU UTIL")
 # What a narrow terminal gives up first: the rest keep their full width (a squeezed
 # "RE…" column helps nobody).
-DROP_ORDER = ("REASON", "REUSE", "GPU UTIL", "GPU MEM", "RESTARTS", "TTFT p99", "UPTIME", "GPUS",
-              "WAITING", "KV")
+DROP_ORDER = ("EST ERR", "ROUTE h/m/s", "REASON", "REUSE", "GPU UTIL", "GPU MEM", "RESTARTS", "TTFT p99", "UPTIME",
+              "GPUS", "WAITING", "KV")
 _MIN_WIDTH = {"ID": 2, "STATE": 9, "UPTIME": 6, "ACTIVE": 6, "TTFT p50": 8, "TTFT p99": 8,
               "GPU MEM": 9}
 
@@ -69,6 +69,13 @@ def _gpu_cells(gpus: list[dict[str, Any]]) -> tuple[str, str]:
     return f"{used:.1f}/{total:.0f}G", f"{util:.0f}%"
 
 
+def _routes(routes: dict[str, int] | None) -> str:
+    """The cost-model's picks of the last minute: % prefix hit / miss / spill ("-" otherwise)."""
+    counts = [(routes or {}).get(k, 0) for k in ("hit", "miss", "spill")]
+    total = sum(counts)
+    return "/".join(f"{100 * c / total:.0f}" for c in counts) if total else "-"
+
+
 def instance_row(inst: dict[str, Any]) -> list[Text | str]:
     state = inst["state"]
     engine = inst.get("engine") or {}
@@ -83,7 +90,8 @@ def instance_row(inst: dict[str, Any]) -> list[Text | str]:
             ",".join(map(str, inst["gpus"])), _duration(inst.get("uptime_s")), str(inst.get("restarts", 0)),
             str(inst.get("inflight", 0)), _num(engine.get("waiting")), active, kv,
             _pct(engine.get("kv_reuse_hit_rate")), _num(llm.get("ttft_p50_ms"), "{:.1f}ms"),
-            _num(llm.get("ttft_p99_ms"), "{:.1f}ms"), _num(llm.get("tokens_per_s"), "{:.1f}"), mem, util]
+            _num(llm.get("ttft_p99_ms"), "{:.1f}ms"), _num(llm.get("tokens_per_s"), "{:.1f}"),
+            _routes(llm.get("routes")), _pct(llm.get("ttft_est_err")), mem, util]
 
 
 def header(status: dict[str, Any], error: str = "") -> Text:

@@ -34,6 +34,11 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0
 # Between tokens: an engine iteration (ms to tens of ms), more when the batch is full.
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
                2.5, float("inf"))
+# Prompt tokens: a question to a long document.
+TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, float("inf"))
+# A TTFT estimate's error, observed - estimated: either way, a few ms to a queue's worth.
+ERROR_BUCKETS = (-10.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01, 0.025, 0.05, 0.1,
+                 0.25, 0.5, 1.0, 2.5, 10.0, float("inf"))
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -84,6 +89,21 @@ class ProxyMetrics:
         self.routing = Counter("trtllm_orch_proxy_routing_decisions",
                                "Instances chosen for an attempt, by policy and the policy's reason",
                                ("policy", "reason", "instance"), registry=r)
+        # The routing model's view of each pick (cost-model, routing/cost_policy.py): how much of
+        # the prompt it expected cached there, and how far its TTFT estimate was off. Histograms,
+        # so a scrape declares them (and a dashboard finds them) before the first pick.
+        self.route_prompt_tokens = Histogram("trtllm_orch_proxy_route_prompt_tokens",
+                                             "Prompt tokens of each request routed to the instance, as the "
+                                             "routing model counts them", ("instance",),
+                                             buckets=TOKEN_BUCKETS, registry=r)
+        self.route_cached_tokens = Histogram("trtllm_orch_proxy_route_cached_tokens",
+                                             "Of those, the tokens the routing model estimated cached there "
+                                             "(_sum over the prompt tokens' _sum: the expected hit rate)",
+                                             ("instance",), buckets=TOKEN_BUCKETS, registry=r)
+        self.route_ttft_error = Histogram("trtllm_orch_proxy_route_ttft_error_seconds",
+                                          "Observed minus estimated TTFT of each request the routing model "
+                                          "estimated (_sum over _count: its bias)", ("instance",),
+                                          buckets=ERROR_BUCKETS, registry=r)
         self.recent = RecentLLM()  # the last minute, for `status` and `top`
         # A data-plane worker: every worker writes its values to files here and a scrape
         # of any worker adds them all up (prometheus_client's multiprocess mode).
@@ -125,6 +145,28 @@ class ProxyMetrics:
         if c is None:
             c = self._routing_children[key] = self.routing.labels(policy, reason, instance)
         c.inc()
+        self.recent.routed(instance, reason, time.monotonic())
+
+    def route_decision(self, decision: Any, timer: "TokenTimer | None") -> None:
+        """The routing model's pick (Balancer.last_decision: None for policies without a model):
+        its prompt and cached tokens now; its TTFT estimate against the observed one when the
+        timer sees the first token (which also tells the model its prefill is done)."""
+        if decision is None:
+            return
+        iid = decision.instance
+        self.route_prompt_tokens.labels(iid).observe(decision.prompt_tokens)
+        self.route_cached_tokens.labels(iid).observe(decision.cached_tokens)
+        if timer is not None:
+            timer.decision = decision
+
+    def route_first_token(self, decision: Any, seconds: float) -> None:
+        error = decision.first_token(seconds)
+        if error is None:
+            return
+        iid = decision.instance
+        self.route_ttft_error.labels(iid).observe(error)
+        if seconds > 0:
+            self.recent.estimate_error(iid, abs(error) / seconds, time.monotonic())
 
     def llm_children(self, instance: str, api: str) -> tuple[Histogram, Histogram, Counter]:
         key = (instance, api)
@@ -255,7 +297,7 @@ class TokenTimer:
     inside the TTFT, as the client sees them. One per request, on the event loop.
     """
 
-    __slots__ = ("_metrics", "api", "started", "_last", "_children")
+    __slots__ = ("_metrics", "api", "started", "_last", "_children", "decision")
 
     def __init__(self, metrics: ProxyMetrics, api: str) -> None:
         self._metrics = metrics
@@ -263,6 +305,7 @@ class TokenTimer:
         self.started = time.monotonic()
         self._last: float | None = None
         self._children: tuple[Histogram, Histogram, Counter] | None = None
+        self.decision: Any = None  # the routing model's pick (ProxyMetrics.route_decision)
 
     def events(self, instance: str, n: int = 1) -> None:
         if n <= 0:
@@ -277,6 +320,11 @@ class TokenTimer:
             first = now - self.started
             ttft.observe(first)
             recent.first_token(instance, first, now)
+            if self.decision is not None:
+                decision, self.decision = self.decision, None
+                # From the pick (a hold or an earlier attempt before it is not the model's to see).
+                since = now - decision.at
+                self._metrics.route_first_token(decision, since if 0.0 <= since <= first else first)
         else:
             itl.observe(now - self._last)
         if n > 1:  # events that arrived in the same read came together

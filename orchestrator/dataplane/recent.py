@@ -24,13 +24,15 @@ MAX_SAMPLES_PER_S = 2000
 
 
 class _Second:
-    __slots__ = ("sec", "ttft", "firsts", "events")
+    __slots__ = ("sec", "ttft", "firsts", "events", "routes", "est_err")
 
     def __init__(self, sec: int) -> None:
         self.sec = sec
         self.ttft: list[float] = []
         self.firsts = 0  # generations that produced a first event
         self.events = 0
+        self.routes: dict[str, int] | None = None  # routing reason -> picks (cost-model)
+        self.est_err: list[float] | None = None  # |observed - estimated| / observed TTFT
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -70,6 +72,20 @@ class RecentLLM:
     def events(self, instance: str, n: int, now: float) -> None:
         self._second(instance, now).events += n
 
+    def routed(self, instance: str, reason: str, now: float) -> None:
+        """A pick of `instance` by a policy that says why (cost-model: hit, miss, spill, load)."""
+        s = self._second(instance, now)
+        if s.routes is None:
+            s.routes = {}
+        s.routes[reason] = s.routes.get(reason, 0) + 1
+
+    def estimate_error(self, instance: str, relative: float, now: float) -> None:
+        s = self._second(instance, now)
+        if s.est_err is None:
+            s.est_err = []
+        if len(s.est_err) < MAX_SAMPLES_PER_S:
+            s.est_err.append(relative)
+
     # --- for status ----------------------------------------------------------------
     def summary(self, now: float | None = None) -> dict[str, dict[str, Any]]:
         """Per instance seen in the last window: ttft p50/p99 (ms), output events/s, generations."""
@@ -94,4 +110,16 @@ class RecentLLM:
                 "generations": sum(s.firsts for s in seconds),
                 "window_s": round(span, 1),
             }
+            routes: dict[str, int] = {}
+            errors: list[float] = []
+            for s in seconds:
+                if s.routes:
+                    for reason, k in s.routes.items():
+                        routes[reason] = routes.get(reason, 0) + k
+                if s.est_err:
+                    errors += s.est_err
+            if routes:  # routing reasons of the last minute (cost-model's hit/miss/spill/load)
+                out[instance]["routes"] = routes
+            if errors:  # median relative error of its TTFT estimates
+                out[instance]["ttft_est_err"] = round(percentile(sorted(errors), 0.5), 3)
         return out

@@ -38,8 +38,6 @@ was tuned on one engine shape. The constants left are about the scrape cadence (
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass
 
 from orchestrator.health.engine_state import EngineSnapshot
@@ -186,44 +184,6 @@ class EngineRates:
             self.out_tokens = self._out / self._fin
         moved = (snap.input_tokens - prev.input_tokens, d_fin) if d_fin > 0 else None
         return sample, moved
-
-class WriteLog:
-    """What was routed to one instance, cumulative with when: requests, and prompt blocks they
-    need computed there. The engine serves in arrival order, so what was routed after a prefix
-    is what runs between that prefix's request and the next one (module doc: cached_blocks)."""
-
-    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests")
-
-    def __init__(self) -> None:
-        self.blocks = 0.0
-        self.requests = 0
-        self._at: deque[float] = deque()
-        self._blocks: deque[float] = deque()
-        self._requests: deque[int] = deque()
-
-    def add(self, at: float, blocks: float, horizon: float) -> None:
-        self.blocks += blocks
-        self.requests += 1
-        self._at.append(at)
-        self._blocks.append(self.blocks)
-        self._requests.append(self.requests)
-        # Entries a whole `horizon` of blocks back (two caches) are not needed: what was routed
-        # before them is evicted whatever else happened.
-        while len(self._at) > 2 and self.blocks - self._blocks[1] > horizon:
-            self._at.popleft()
-            self._blocks.popleft()
-            self._requests.popleft()
-
-    def since(self, t: float) -> tuple[float, int]:
-        """(blocks, requests) routed after monotonic time `t`; (inf, ...) beyond the log."""
-        at = self._at
-        if not at or t >= at[-1]:
-            return 0.0, 0
-        i = bisect_right(at, t)
-        if i == 0:
-            return math.inf, self.requests
-        return self.blocks - self._blocks[i - 1], self.requests - self._requests[i - 1]
-
 
 def cached_blocks(depth_blocks: int, written: float, requests: int, running: int, free_blocks: int) -> int:
     """Of a prefix of `depth_blocks` blocks routed to an instance, the leading blocks likely

@@ -55,19 +55,30 @@ class PrefixIndex:
     def match_recency(self, keys: list[bytes]) -> tuple[int, dict[str, tuple[int, float]]]:
         """As `match`, with the time each instance was last routed its deepest matched chunk:
         how long its engine has had to evict it since (routing/cost_policy.py)."""
-        now = self._clock()
+        oldest = self._clock() - self.ttl_s
         found: dict[str, tuple[int, float]] = {}
-        alive: set[str] | None = None
-        for n, key in enumerate(keys, 1):
-            holders = self._holders.get(key)
+        alive: dict[str, float] = {}
+        get = self._holders.get
+        n = 0
+        for key in keys:
+            holders = get(key)
             if not holders:
                 break
-            current = {iid for iid, t in holders.items() if now - t <= self.ttl_s}
-            alive = current if alive is None else alive & current
-            if not alive:
+            if n == 0:
+                now_alive = {iid: t for iid, t in holders.items() if t >= oldest}
+            else:  # the chain must be unbroken: only who held every chunk before
+                now_alive = {iid: t for iid, t in holders.items() if iid in alive and t >= oldest}
+                if len(now_alive) < len(alive):
+                    for iid, t in alive.items():
+                        if iid not in now_alive:
+                            found[iid] = (n, t)
+            if not now_alive:
+                alive = now_alive
                 break
-            for iid in alive:
-                found[iid] = (n, holders[iid])
+            alive = now_alive
+            n += 1
+        for iid, t in alive.items():
+            found[iid] = (n, t)
         return len(keys), found
 
     def record(self, keys: list[bytes], instance_id: str) -> None:

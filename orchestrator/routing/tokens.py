@@ -35,23 +35,39 @@ def on_grid(ratio: float) -> float:
     return 2.0 ** (round(math.log2(ratio) * GRID) / GRID)
 
 
+class PromptStats:
+    """Characters per routed prompt, over the last few thousand prompts (forgotten sums): the
+    engines' mean is over the requests that finished lately, which lag the ones routed; over
+    thousands of requests the lag is a few percent, below the grid."""
+
+    __slots__ = ("n", "chars")
+
+    def __init__(self) -> None:
+        self.n = 0.0
+        self.chars = 0.0
+
+    def add(self, chars: int) -> None:
+        self.n = self.n * KEEP + 1.0
+        self.chars = self.chars * KEEP + chars
+
+
 class TokenRatio:
     """Tokens per prompt character; `value` is on the grid."""
 
-    __slots__ = ("value", "source", "_count", "_seen", "_tok_sum", "_char_sum", "_chars_n", "_chars_sum",
-                 "_engine_n", "_engine_sum")
+    __slots__ = ("value", "source", "_count", "_seen", "_tok_sum", "_char_sum", "prompts", "_engine_n",
+                 "_engine_sum")
 
-    def __init__(self, count: Callable[[str], int] | None = None) -> None:
+    def __init__(self, count: Callable[[str], int] | None = None, prompts: "PromptStats | None" = None) -> None:
         self.value = PRIOR_TOKENS_PER_CHAR
         self.source = "prior"
         self._count = count
         self._seen = 0
         self._tok_sum = 0.0
         self._char_sum = 0.0
-        # Forgotten sums: prompts routed and their characters; requests the engines finished and
-        # their prompt tokens (all instances together).
-        self._chars_n = 0.0
-        self._chars_sum = 0.0
+        # The prompts routed (kept where every data-plane worker can share them: journal.py), and
+        # forgotten sums of the requests the engines finished and their prompt tokens (all
+        # instances together; every worker sees the same snapshots).
+        self.prompts = prompts if prompts is not None else PromptStats()
         self._engine_n = 0.0
         self._engine_sum = 0.0
 
@@ -63,11 +79,7 @@ class TokenRatio:
         """A prompt routed (its length in characters; its text where a tokenizer may sample it)."""
         if text_len <= 0:
             return
-        # Mean characters per prompt, over the last few thousand prompts: the engine's mean is
-        # over the requests that finished lately, which lag the ones routed; over thousands the
-        # lag is a few percent, below the grid.
-        self._chars_n = self._chars_n * KEEP + 1.0
-        self._chars_sum = self._chars_sum * KEEP + text_len
+        self.prompts.add(text_len)
         if self._count is not None and text is not None:
             self._seen += 1
             if self._seen % SAMPLE_EVERY == 1:
@@ -89,9 +101,10 @@ class TokenRatio:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        if self._engine_n < 1 or self._chars_n < 1:
+        prompts = self.prompts
+        if self._engine_n < 1 or prompts.n < 1:
             return
-        self._set((self._engine_sum / self._engine_n) / (self._chars_sum / self._chars_n), "engine")
+        self._set((self._engine_sum / self._engine_n) / (prompts.chars / prompts.n), "engine")
 
     def _set(self, ratio: float, source: str) -> None:
         if ratio > 0:

@@ -1,0 +1,118 @@
+"""What the routing side knows that the engines do not report yet, per instance: the prompt
+blocks routed there to be computed, in the order the engine will compute them (`WriteLog`:
+what pushes an earlier prefix out of its cache), and the prompt tokens routed there whose
+prefill has not happened yet (`Pending`); and the lengths of the prompts routed (for the
+token ratio, tokens.py). Pure logic.
+
+The cost-model policy reads and writes one `Journal`. In one process that is everything
+routed; with several data-plane workers each worker's journal holds its own routings only,
+and the workers decide alike only where they share one (a shared-memory journal with the
+same methods, as dataplane/shared_prefix.py is for the prefix index).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_right
+from collections import deque
+
+from orchestrator.routing.tokens import PromptStats
+
+
+class WriteLog:
+    """What was routed to one instance, cumulative with when: requests, and prompt blocks they
+    need computed there. The engine serves in arrival order, so what was routed after a prefix
+    is what runs between that prefix's request and the next one (module doc: cached_blocks)."""
+
+    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests")
+
+    def __init__(self) -> None:
+        self.blocks = 0.0
+        self.requests = 0
+        self._at: deque[float] = deque()
+        self._blocks: deque[float] = deque()
+        self._requests: deque[int] = deque()
+
+    def add(self, at: float, blocks: float, horizon: float) -> None:
+        self.blocks += blocks
+        self.requests += 1
+        self._at.append(at)
+        self._blocks.append(self.blocks)
+        self._requests.append(self.requests)
+        # Entries a whole `horizon` of blocks back (two caches) are not needed: what was routed
+        # before them is evicted whatever else happened.
+        while len(self._at) > 2 and self.blocks - self._blocks[1] > horizon:
+            self._at.popleft()
+            self._blocks.popleft()
+            self._requests.popleft()
+
+    def since(self, t: float) -> tuple[float, int]:
+        """(blocks, requests) routed after monotonic time `t`; (inf, ...) beyond the log."""
+        at = self._at
+        if not at or t >= at[-1]:
+            return 0.0, 0
+        i = bisect_right(at, t)
+        if i == 0:
+            return math.inf, self.requests
+        return self.blocks - self._blocks[i - 1], self.requests - self._requests[i - 1]
+
+
+class Pending:
+    """Prompt tokens routed to one instance and not prefilled yet: each entry [until, tokens,
+    self] ends at its request's first token (`done`) or at its estimated first token."""
+
+    __slots__ = ("heap", "total")
+
+    def __init__(self) -> None:
+        self.heap: list[list] = []
+        self.total = 0.0
+
+    def at(self, now: float) -> float:
+        heap = self.heap
+        if not heap:
+            return 0.0
+        total = self.total
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            total -= entry[1]
+            entry[1] = 0.0  # a first token reported after this changes nothing
+        self.total = total if heap else 0.0  # no float drift left behind
+        return self.total
+
+    def add(self, tokens: float, until: float) -> list:
+        entry = [until, tokens, self]
+        heapq.heappush(self.heap, entry)
+        self.total += tokens
+        return entry
+
+    @staticmethod
+    def done(entry: list) -> None:
+        tokens, entry[1] = entry[1], 0.0
+        if tokens:
+            ledger = entry[2]
+            ledger.total = max(0.0, ledger.total - tokens)
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.prompts = PromptStats()
+        self._logs: dict[str, WriteLog] = {}
+        self._pending: dict[str, Pending] = {}
+
+    def log(self, iid: str) -> WriteLog:
+        log = self._logs.get(iid)
+        if log is None:
+            log = self._logs[iid] = WriteLog()
+        return log
+
+    def pending(self, iid: str) -> Pending:
+        ledger = self._pending.get(iid)
+        if ledger is None:
+            ledger = self._pending[iid] = Pending()
+        return ledger
+
+    def forget(self, iid: str) -> None:
+        """The instance restarted: nothing routed there before counts."""
+        self._logs.pop(iid, None)
+        self._pending.pop(iid, None)

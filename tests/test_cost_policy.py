@@ -1,0 +1,277 @@
+"""The `cost-model` policy on recorded engine snapshots: where a prompt goes and why, what
+every data-plane worker decides, what it reports to the metrics, `top` and the Balancer."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+
+from orchestrator.dataplane.metrics import ProxyMetrics
+from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
+from orchestrator.health.engine_state import EngineSnapshot, EngineView
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.balancer import Balancer, SharedRouting
+from orchestrator.routing.cost_model import ttft_estimate
+from orchestrator.routing.cost_policy import HIT, LOAD, MISS, SPILL, CostModel
+from orchestrator.routing.journal import Journal
+from orchestrator.routing.llm_policies import RouteHints
+from orchestrator.routing.prefix_index import PrefixIndex
+from orchestrator.top import render
+from tests.test_top_render import STATUS, text_of
+
+pytestmark = pytest.mark.unit
+
+SYSTEM = "[tenant {0}] You are the assistant of tenant {0}. " + "Follow the house rules with care. " * 60
+
+
+class Clock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Engines:
+    """Instances whose views get a busy engine's snapshots: iterations of 20 ms plus 0.1 ms per
+    context token, one prompt of 2000 tokens every 4th iteration, 20 output tokens a request."""
+
+    def __init__(self, n: int, clock: Clock, slots: int = 8) -> None:
+        self.clock = clock
+        self.slots = slots
+        self.views = [EngineView(stale_after_s=1.0) for _ in range(n)]
+        self.backends = tuple(Backend(str(i), "127.0.0.1", 1, 2, 3, engine=v) for i, v in enumerate(self.views))
+        self.k = 0
+        self.active = [1] * n
+
+    def scrape(self, rounds: int = 1) -> None:
+        for _ in range(rounds):
+            self.k += 1
+            k = self.k
+            self.clock.t += 0.1
+            for v, active in zip(self.views, self.active):
+                # 5 iterations per scrape; the scraped one had a prompt every other scrape
+                v.update(EngineSnapshot(
+                    at=self.clock.t, active=active, max_active=self.slots, scheduled=active, kv_max=256, kv_used=50,
+                    tokens_per_block=64, iteration=float(5 * k), timestamp_us=int(self._ts(k) * 1e6),
+                    context_tokens=2000 if k % 2 else 0,
+                    finished=k, input_tokens=2000 * k, output_tokens=20 * k))
+
+    @staticmethod
+    def _ts(k: int) -> float:
+        # iterations 5(k-1) .. 5k-1: 5 x 20 ms, plus 2000 x 0.1 ms where the first had the prompt
+        return sum(0.1 + (0.2 if j % 2 else 0.0) for j in range(1, k))
+
+
+def learnt(n: int = 2, slots: int = 8, **kw) -> tuple[CostModel, Engines, Clock]:
+    clock = Clock()
+    eng = Engines(n, clock, slots)
+    policy = CostModel(random.Random(1), clock=clock, **kw)
+    policy.choose(eng.backends, (), {})  # listens to the views from now on
+    eng.scrape(60)
+    assert all(policy.book.rates(b.instance_id) is not None for b in eng.backends)
+    return policy, eng, clock
+
+
+def hints(tenant: int, question: str = "What is the refund policy?") -> RouteHints:
+    return RouteHints.from_prompt(SYSTEM.format(tenant) + question)
+
+
+def test_rates_come_from_the_views_snapshots():
+    policy, eng, _ = learnt()
+    r = policy.book.rates("0")
+    assert r.prefill_s == pytest.approx(0.0001, rel=0.1) and r.out_tokens == pytest.approx(20)
+    assert policy.ratio.source == "prior"  # no prompt routed yet: nothing to calibrate against
+
+
+def test_a_prefix_stays_where_it_is_cached_while_that_pays():
+    policy, eng, clock = learnt()
+    first = policy.choose(eng.backends, (), {}, hints(1)).instance_id
+    assert policy.last_reason == MISS
+    other = "1" if first == "0" else "0"
+    # the holder is busier (4 in flight vs 0) but has free slots: the cached prefix wins
+    assert policy.choose(eng.backends, (), {first: 4}, hints(1, "another question")).instance_id == first
+    assert policy.last_reason == HIT
+    assert policy.last_decision.cached_tokens > 0.8 * policy.last_decision.prompt_tokens
+    # a queue there costs more than the prefill the cache saves: it moves
+    moved = policy.choose(eng.backends, (), {first: 40, other: 0}, hints(1, "a third question"))
+    assert moved.instance_id == other and policy.last_reason == SPILL
+
+
+def test_multi_turn_chat_follows_its_history():
+    policy, eng, clock = learnt()
+    prompt = SYSTEM.format(7) + "\nUser: a long document " + "lorem ipsum " * 100 + "\nAssistant:"
+    where = policy.choose(eng.backends, (), {}, RouteHints.from_prompt(prompt)).instance_id
+    for turn in range(4):
+        clock.t += 0.5
+        prompt += " an answer of a few words\nUser: and what about turn %d?\nAssistant:" % turn
+        load = {where: 2}  # the conversation's instance is the busier one
+        assert policy.choose(eng.backends, (), load, RouteHints.from_prompt(prompt)).instance_id == where
+        assert policy.last_reason == HIT
+
+
+def test_the_prefill_routed_there_and_not_done_yet_counts():
+    policy, eng, clock = learnt()
+    long_prompt = RouteHints.from_prompt("unique long prompt " * 600)
+    a = policy.choose(eng.backends, (), {}, long_prompt).instance_id
+    # a short prompt arriving right behind it avoids the instance busy prefilling ~11k tokens
+    short = RouteHints.from_prompt("a short unique prompt of its own")
+    assert policy.choose(eng.backends, (), {a: 1}, short).instance_id != a
+    assert policy.last_reason == MISS
+    # once its first token is out, the prefill is done: nothing pending there any more
+    decision = policy.last_decision
+    assert decision.first_token(0.05) == pytest.approx(0.05 - decision.estimate_s)
+
+
+def test_estimate_is_the_documented_formula():
+    policy, eng, _ = learnt()
+    policy.choose(eng.backends, (), {"0": 9, "1": 9}, hints(2))
+    d = policy.last_decision
+    r = policy.book.rates(d.instance)
+    inst = policy._insts[d.instance]
+    n = 9 + inst.foreign
+    pending = inst.pending.total - (d.prompt_tokens - d.cached_tokens)  # before this one's own
+    assert d.estimate_s == pytest.approx(ttft_estimate(r, inst.slots, n, pending + d.prompt_tokens - d.cached_tokens))
+
+
+def test_reasons_without_a_prompt_and_before_rates():
+    clock = Clock()
+    eng = Engines(2, clock)
+    policy = CostModel(random.Random(1), clock=clock)
+    b = policy.choose(eng.backends, (), {"0": 3, "1": 1}, None)
+    assert policy.last_reason == LOAD and policy.last_decision.estimate_s is None
+    assert b.instance_id == "1"  # no rates yet: the fewest requests
+    eng.scrape()  # one scrape: the slots are known, no rates yet (that takes two busy ones)
+    assert policy.book.rates("0") is None
+    policy.choose(eng.backends, (), {}, hints(3))
+    holder = policy.last_decision.instance
+    # still no rates: a holder with a free slot keeps its prefix even if busier
+    assert policy.choose(eng.backends, (), {holder: 5}, hints(3, "again")).instance_id == holder
+
+
+def test_an_evicted_prefix_is_not_counted_as_cached():
+    policy, eng, clock = learnt()
+    holder = policy.choose(eng.backends, (), {}, hints(4)).instance_id
+    # then many other tenants' prompts to that instance: the cache (256 blocks) turns over
+    for t in range(20, 40):
+        clock.t += 0.01
+        policy.choose([b for b in eng.backends if b.instance_id == holder], (), {}, hints(t))
+    policy.choose(eng.backends, (), {}, hints(4, "back again"))
+    assert policy.last_decision.cached_tokens == 0 and policy.last_reason == MISS
+
+
+def test_stale_snapshots_leave_only_our_counts():
+    policy, eng, clock = learnt()
+    eng.active = [8, 0]
+    eng.scrape()
+    assert policy._insts["0"].foreign == 8
+    clock.t += 5  # the snapshots age past stale_after_s
+    policy.choose(eng.backends, (), {"0": 0, "1": 2}, None)
+    assert policy.last_decision.instance == "0"
+
+
+def test_two_workers_decide_alike():
+    """Two policies (two data-plane workers) on the same snapshots, the same global in-flight
+    counts, one prefix index and one journal, taking turns with the requests: before every pick
+    the other worker would have picked the same instance."""
+    clock = Clock()
+    eng = Engines(4, clock)
+    index, journal = PrefixIndex(clock=clock), Journal()
+    a = CostModel(random.Random(1), clock=clock, index=index, journal=journal)
+    b = CostModel(random.Random(2), clock=clock, index=index, journal=journal)
+    for p in (a, b):
+        p.choose(eng.backends, (), {})
+    eng.scrape(60)
+    rng = random.Random(5)
+    inflight: dict[str, int] = {}
+    for k in range(400):
+        h = hints(rng.randrange(12), f"q{k}") if k % 5 else RouteHints.from_prompt(f"unique {k} " * rng.randint(1, 80))
+        mine, other = (a, b) if k % 2 else (b, a)
+        assert mine._evaluate(eng.backends, (), inflight, h, clock.t)[0] is not None
+        assert mine._evaluate(eng.backends, (), inflight, h, clock.t)[0].iid == \
+            other._evaluate(eng.backends, (), inflight, h, clock.t)[0].iid
+        picked = mine.choose(eng.backends, (), inflight, h).instance_id
+        inflight[picked] = inflight.get(picked, 0) + 1
+        if k % 3 == 0:
+            done = rng.choice([i for i, c in inflight.items() if c])
+            inflight[done] -= 1
+            clock.t += 0.02
+        if k % 20 == 0:
+            eng.active = [rng.randint(0, 8) for _ in eng.views]
+            eng.scrape()
+
+
+def test_shared_prefix_index_of_the_workers_serves_the_policy(tmp_path):
+    clock = Clock()
+    eng = Engines(2, clock)
+    shared = SharedPrefixIndex.create(tmp_path / "prefixes", slots=1 << 10, clock=clock)
+    policy = CostModel(random.Random(1), clock=clock, index=shared)  # match() only: no recency
+    policy.choose(eng.backends, (), {})
+    eng.scrape(60)
+    first = policy.choose(eng.backends, (), {}, hints(1)).instance_id
+    assert policy.choose(eng.backends, (), {first: 3}, hints(1, "again")).instance_id == first
+    assert policy.last_reason == HIT
+    shared.close()
+
+
+def test_a_replaced_policy_stops_listening():
+    policy, eng, clock = learnt()
+    before = len(eng.views[0].listeners)
+    del policy
+    gc.collect()
+    new = CostModel(random.Random(1), clock=clock)
+    new.choose(eng.backends, (), {})
+    assert len(eng.views[0].listeners) == before  # the dead one's listener made room for the new one
+
+
+def test_forget_clears_the_instances_cache_and_pending_prefill():
+    policy, eng, clock = learnt()
+    holder = policy.choose(eng.backends, (), {}, hints(6)).instance_id
+    policy.forget(holder)
+    policy.choose(eng.backends, (), {}, hints(6, "after the restart"))
+    assert policy.last_reason == MISS
+    assert policy._insts[holder].pending.total == 0 or policy.last_decision.instance == holder
+
+
+# --- the Balancer and what the operator sees -------------------------------------------------
+def test_balancer_runs_cost_model_with_the_workers_shared_index(tmp_path):
+    clock = Clock()
+    eng = Engines(2, clock)
+    index = PrefixIndex(clock=clock)
+    counts: dict[str, int] = {}
+
+    class Row:
+        def acquire(self, iid):
+            counts[iid] = counts.get(iid, 0) + 1
+
+        def release(self, iid):
+            counts[iid] -= 1
+
+    bal = Balancer("cost-model", rng=random.Random(1), clock=clock, shared=SharedRouting(counts, Row(), index))
+    assert bal.wants_prompt and bal._policy.index is index
+    b = bal.pick(eng.backends, hints=hints(2))
+    assert bal.last_reason == MISS and bal.last_decision.instance == b.instance_id
+    assert Balancer("least-outstanding").last_decision is None
+
+
+def test_metrics_top_and_recent_show_the_models_picks(monkeypatch):
+    policy, eng, clock = learnt()
+    metrics = ProxyMetrics()
+    timer = metrics.timer("generate_stream")
+    b = policy.choose(eng.backends, (), {}, hints(9))
+    decision = policy.last_decision
+    metrics.routed("cost-model", policy.last_reason, b.instance_id)
+    metrics.route_decision(decision, timer)
+    timer.events(b.instance_id, 1)
+    text = metrics.render().decode()
+    iid = b.instance_id
+    assert f'trtllm_orch_proxy_route_prompt_tokens_sum{{instance="{iid}"}} {float(decision.prompt_tokens)}' in text
+    assert f'trtllm_orch_proxy_route_ttft_error_seconds_count{{instance="{iid}"}} 1.0' in text
+    row = metrics.recent.summary()[iid]
+    assert row["routes"] == {MISS: 1} and row["ttft_est_err"] is not None
+    status = {**STATUS, "instances": [dict(STATUS["instances"][0], llm={
+        **STATUS["instances"][0]["llm"], "routes": {"hit": 8, "miss": 1, "spill": 1}, "ttft_est_err": 0.12})]}
+    out = text_of(render(status), width=220)
+    assert "ROUTE h/m/s" in out and "80/10/10" in out and "12%" in out
