@@ -39,7 +39,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from bench import routing_cells as rc
-from bench.common import pct, table, write_result
+from bench.common import machine, pct, table, write_result
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.balancer import POLICIES
@@ -278,6 +278,44 @@ def _run(args: tuple) -> dict[str, Any]:
     return r
 
 
+def decision_cost(instances: int, decisions: int = 4000) -> dict[str, float]:
+    """Microseconds per cost-model decision among `instances` busy instances with learnt rates:
+    the whole `choose` (prefix index match and record included) on prebuilt RouteHints of 12
+    tenants' ~2150-character prompts, and building those hints (hashing the prompt's chunks, done
+    by the proxy for any prompt-aware policy), separately. Median of 5 repetitions."""
+    now = [1000.0]
+    views = [EngineView() for _ in range(instances)]
+    backends = [Backend(str(i), "h", 1, 2, 3, engine=views[i]) for i in range(instances)]
+    policy = POLICIES["cost-model"](random.Random(1), clock=lambda: now[0])
+    policy.choose(backends, (), {}, None)
+    for k in range(60):  # busy engines: 5 iterations a scrape, a 2000-token prompt in every other one
+        for i, v in enumerate(views):
+            v.update(EngineSnapshot(at=now[0], active=6, max_active=8, scheduled=6, kv_max=256, kv_used=100,
+                                    tokens_per_block=64, iteration=float(5 * k + i), timestamp_us=int(k * 0.15e6),
+                                    context_tokens=2000 * (k % 2), finished=3 * k, input_tokens=6300 * k,
+                                    output_tokens=60 * k))
+        now[0] += 0.1
+    prefixes = rc.tenant_prefixes("cost", 12)
+    rng = random.Random(2)
+    prompts = [prefixes[rng.randrange(12)] + f" Question {j}: " + rc.text(rng, 80) for j in range(decisions)]
+    hints = [RouteHints.from_prompt(p) for p in prompts]
+    inflight = {str(i): i % 7 for i in range(instances)}
+    for h in hints[:500]:
+        policy.choose(backends, (), inflight, h)
+    choose_us, hints_us = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for h in hints:
+            policy.choose(backends, (), inflight, h)
+        choose_us.append((time.perf_counter() - t0) / len(hints) * 1e6)
+        t0 = time.perf_counter()
+        for p in prompts:
+            RouteHints.from_prompt(p)
+        hints_us.append((time.perf_counter() - t0) / len(prompts) * 1e6)
+    return {"instances": instances, "choose_us": round(statistics.median(choose_us), 1),
+            "hints_us": round(statistics.median(hints_us), 1), "prompt_chars": len(prompts[0])}
+
+
 def plot(result: dict[str, Any], plt: Any) -> Any:
     """Per cell: the engine-aware targets' TTFT p90 and tokens/s over the best of
     least-outstanding and nginx (below / above 1 is better), with issue 24's bounds."""
@@ -325,6 +363,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--policy-kw", default="{}", help="JSON keyword arguments for the engine-aware policies")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--decision-cost", default="2,4,8,16",
+                    help="instance counts to bench the cost-model's decision at ('' to skip)")
     ap.add_argument("--out", help="write the JSON here instead of bench/results/routing_sim-<stamp>.json")
     a = ap.parse_args()
     cs = rc.cells(tuple(int(x) for x in a.shapes.split(",")), tuple(float(x) for x in a.rooms.split(",")),
@@ -357,13 +397,18 @@ def main() -> int:
         print(table(v, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
                         "no_worse"]))
         print(f"no worse in {sum(r['no_worse'] for r in v)}/{len(v)} cells")
+    costs = [decision_cost(int(n)) for n in a.decision_cost.split(",") if n]
+    for c in costs:
+        print(f"cost-model decision among {c['instances']} instances: {c['choose_us']} us "
+              f"(+ {c['hints_us']} us to hash a {c['prompt_chars']}-character prompt's chunks)")
     print(f"wall {time.time() - t0:.0f} s")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"rows": rows, "verdicts": v}, f)
+            json.dump({"rows": rows, "verdicts": v, "decision_cost": costs}, f)
     if not a.no_write and not a.out:
         result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "policy_kw": kw,
-                  "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v}
+                  "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v,
+                  "decision_cost": costs, "machine": machine()}
         print("wrote", write_result("routing_sim", result, plot))
     return 0
 

@@ -57,8 +57,8 @@ HIT, SPILL, MISS, LOAD = "hit", "spill", "miss", "load"
 class _Inst:
     """One instance as the choice reads it, refreshed by each of its snapshots."""
 
-    __slots__ = ("iid", "key", "view", "stale_after_s", "at", "foreign", "slots", "rates", "wait_unit",
-                 "kv_free", "block", "kv_blocks", "log", "pending")
+    __slots__ = ("iid", "key", "view", "stale_after_s", "at", "foreign", "slots", "rates", "prefill_s",
+                 "decode_s", "wait_unit", "kv_free", "block", "kv_blocks", "log", "pending")
 
     def __init__(self, iid: str, journal: Journal) -> None:
         self.iid = iid
@@ -69,6 +69,7 @@ class _Inst:
         self.foreign = 0  # requests the engine holds that we did not send
         self.slots = 0  # what runs at once
         self.rates: Rates | None = None
+        self.prefill_s = self.decode_s = 0.0  # the rates' own, at hand for the choice
         self.wait_unit = 0.0  # seconds a queued request waits per request ahead of it
         self.kv_free = 0  # KV blocks not held by running requests
         self.block = 0
@@ -162,8 +163,10 @@ class CostModel:
         inst.kv_blocks = er.kv_blocks
         inst.block = er.block_tokens
         r = inst.rates = self.book.rates(inst.iid)
-        if r is not None and inst.slots:
-            inst.wait_unit = r.out_tokens * r.iter_s / inst.slots
+        if r is not None:
+            inst.prefill_s, inst.decode_s = r.prefill_s, r.decode_s
+            if inst.slots:
+                inst.wait_unit = r.out_tokens * r.iter_s / inst.slots
 
     def _sync(self, backends: Sequence[Backend]) -> None:
         """Listen to the views of a new ready set (an instance new to us, or back with a new view)."""
@@ -202,7 +205,7 @@ class CostModel:
         if hints is not None:
             if hints.prompt_keys:
                 self.index.record(hints.prompt_keys, iid)
-            self.ratio.prompt(hints.prompt_chars)
+            self.ratio.prompt(hints.prompt_chars, hints.text)
         if inst.block:
             inst.log.add(now, (tokens - cached) / inst.block, 2.0 * (inst.kv_blocks or 1))
         self.last_reason = reason
@@ -260,20 +263,22 @@ class CostModel:
             for inst in cands:
                 iid = inst.iid
                 n = get(iid, 0) + inst.foreign if fresh else get(iid, 0)
-                r = inst.rates
+                p = inst.prefill_s
                 uncached = tokens - cached[iid] if iid in cached else tokens
                 # ttft_estimate, inline (16 candidates in < 20 us); the test suite holds them equal
-                cost = r.prefill_s * ((inst.pending.at(now) if inst.pending.heap else 0.0) + uncached) + r.decode_s
-                if n >= inst.slots:
-                    cost += (n - inst.slots + 1) * inst.wait_unit
+                pending = inst.pending
+                cost = p * ((pending.at(now) if pending.heap else 0.0) + uncached) + inst.decode_s
+                slots = inst.slots
+                if n >= slots:
+                    cost += (n - slots + 1) * inst.wait_unit
                 if uncached > least:  # engine time for nothing, and all n there wait for it
-                    cost += r.prefill_s * (uncached - least) * n
+                    cost += p * (uncached - least) * n
                 costs.append(cost)
                 ns.append(n)
                 if cost < low:
                     low = cost
-                if r.decode_s < tol:
-                    tol = r.decode_s
+                if inst.decode_s < tol:
+                    tol = inst.decode_s
         else:  # until every candidate has rates: batches queued; among equals the most cached
             for inst in cands:
                 n = get(inst.iid, 0) + inst.foreign if fresh else get(inst.iid, 0)

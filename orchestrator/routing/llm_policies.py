@@ -30,7 +30,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex, chunk_keys
@@ -59,6 +59,8 @@ class RouteHints:
     # A checksum of the prompt's head (its first chunk): where estimates tie, every worker
     # breaks the tie alike, and a prompt's tenants land together (cost_policy.py).
     route_key: int = 0
+    # The prompt itself, for a policy that samples it with the model's tokenizer (cost-model).
+    text: str = field(default="", repr=False, compare=False)
 
     @classmethod
     def from_prompt(cls, prompt: str | None) -> "RouteHints | None":
@@ -66,7 +68,7 @@ class RouteHints:
             return None
         keys = tuple(chunk_keys(prompt))
         head = keys[0] if keys else prompt[:DEFAULT_CHUNK_CHARS].encode("utf-8", "surrogatepass")
-        return cls(keys, len(prompt), zlib.crc32(head))
+        return cls(keys, len(prompt), zlib.crc32(head), prompt)
 
 
 class InflightHistory:

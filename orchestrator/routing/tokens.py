@@ -26,7 +26,8 @@ from collections.abc import Callable
 # per token. Replaced by the first calibration (the first finished requests), so it only
 # decides the first few routes.
 PRIOR_TOKENS_PER_CHAR = 0.25
-SAMPLE_EVERY = 64  # tokenizer path: one prompt in 64 pays for its tokenization
+SAMPLE_EVERY = 64  # tokenizer path: one prompt in 64 pays for its tokenization...
+SAMPLES = 256  # ...until this many were (the ratio of a model's traffic does not drift)
 GRID = 16  # steps per octave
 KEEP = 1.0 - 1.0 / 4096  # the means forget over a few thousand requests
 
@@ -80,9 +81,9 @@ class TokenRatio:
         if text_len <= 0:
             return
         self.prompts.add(text_len)
-        if self._count is not None and text is not None:
+        if self._count is not None and text:
             self._seen += 1
-            if self._seen % SAMPLE_EVERY == 1:
+            if self._seen % SAMPLE_EVERY == 1 and self._seen <= SAMPLE_EVERY * SAMPLES:
                 self._tok_sum += self._count(text)
                 self._char_sum += len(text)
                 self._set(self._tok_sum / self._char_sum, "tokenizer")
