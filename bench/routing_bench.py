@@ -213,8 +213,17 @@ _QUEUED = re.compile(r'^twin_executor_queued_requests\{[^}]*\} (\S+)', re.M)
 _DECISION = re.compile(r'^trtllm_orch_proxy_routing_decisions_total\{([^}]*)\} (\S+)', re.M)
 
 
-def _get(url: str) -> str:
-    return urllib.request.urlopen(url, timeout=5).read().decode()
+def _get(url: str, patience_s: float = 60.0) -> str:
+    """A scrape; an instance the daemon is restarting (overload on two shared cores can fail its
+    health checks) is waited for."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -70,8 +70,12 @@ def learnt(n: int = 2, slots: int = 8, **kw) -> tuple[CostModel, Engines, Clock]
     eng = Engines(n, clock, slots)
     policy = CostModel(random.Random(1), clock=clock, **kw)
     policy.choose(eng.backends, (), {})  # listens to the views from now on
+    # one prompt of the engines' mean length (2000 tokens a finished request): the token ratio
+    # calibrates against the input histogram to 1 token per character, as the byte-level twin's
+    policy.choose(eng.backends, (), {}, RouteHints.from_prompt("warm-up " * 250))
     eng.scrape(60)
     assert all(policy.book.rates(b.instance_id) is not None for b in eng.backends)
+    assert policy.ratio.source == "engine" and policy.ratio.value == 1.0
     return policy, eng, clock
 
 
@@ -83,7 +87,6 @@ def test_rates_come_from_the_views_snapshots():
     policy, eng, _ = learnt()
     r = policy.book.rates("0")
     assert r.prefill_s == pytest.approx(0.0001, rel=0.1) and r.out_tokens == pytest.approx(20)
-    assert policy.ratio.source == "prior"  # no prompt routed yet: nothing to calibrate against
 
 
 def test_a_prefix_stays_where_it_is_cached_while_that_pays():

@@ -20,8 +20,11 @@ nothing) delay every request there by their prefill time. The lowest total wins.
 - Near-equal totals (within one decode iteration: below what the estimate tells apart) go to
   the fewest requests, then by rendezvous hashing of the prompt's head with the instance id:
   every data-plane worker picks alike, and a new prefix lands on one instance.
-- Until every candidate has rates (an instance borrows those of a busy one of its shape), the
-  cost is the batches queued there, and among equals the most cached wins. With a stale
+- Until every candidate has rates (an instance borrows those of a busy one of its shape) and
+  the token ratio is calibrated (the first second or so), the cost is the batches queued
+  there less one where the prompt's prefix is cached: a holder keeps its prefix until its
+  queue is a batch longer than the shortest (a cold start's misses pile requests up, and a
+  prefix split there stays split). With a stale
   snapshot (or no TRT-LLM metrics) the requests there are ours alone.
 
 Every input but the journal is shared by the data-plane workers (the snapshots, the global
@@ -226,7 +229,11 @@ class CostModel:
             [insts[b.instance_id] for b in backends]
         if not cands:
             return None
-        fresh = learnt = True
+        fresh = True
+        # Seconds need rates and prompt lengths in tokens: until the token ratio is calibrated
+        # (the first finished requests, or the tokenizer's first sample) a prompt's prefill is
+        # a guess off by the tokenizer's characters per token (4x on BPE against the byte twin).
+        learnt = self.ratio.source != "prior"
         for inst in cands:
             if now - inst.at > inst.stale_after_s:
                 fresh = False
@@ -279,11 +286,12 @@ class CostModel:
                     low = cost
                 if inst.decode_s < tol:
                     tol = inst.decode_s
-        else:  # until every candidate has rates: batches queued; among equals the most cached
+        else:  # no seconds yet (the first second or so): batches queued, a cached prefix worth one
             for inst in cands:
                 n = get(inst.iid, 0) + inst.foreign if fresh else get(inst.iid, 0)
                 slots = inst.slots or 1
-                cost = max(0, n - slots + 1) / slots - cached.get(inst.iid, 0) * 1e-9
+                cost = max(0, n - slots + 1) / slots - (1.0 if inst.iid in cached else 0.0) - \
+                    cached.get(inst.iid, 0) * 1e-9
                 costs.append(cost)
                 ns.append(n)
                 if cost < low:
