@@ -377,10 +377,14 @@ class Instance:
 
     async def _stop_engine_monitor(self) -> None:
         task, self._engine_monitor = self._engine_monitor, None
-        if task is not None:
+        # Cancel until it is done: a cancel that lands as a scrape's own timeout fires is
+        # turned into that TimeoutError by aiohttp and lost, and the monitor went on (a
+        # SIGSTOPped group hung in STOPPING for good under a loaded CI run).
+        while task is not None and not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await asyncio.wait({task}, timeout=0.5)
+        if task is not None and not task.cancelled():
+            task.exception()  # retrieved: a monitor's error is not the teardown's concern
         self.engine.clear()
 
     # --- serving ------------------------------------------------------------------------
