@@ -6,7 +6,8 @@ same cells beside them (bench/routing_sim.py: is the simulator faithful?).
         [--seconds 20] [--rounds 1] [--targets cost-model,prefix-affinity,least-outstanding,round-robin,nginx]
 
 Setup per engine cell (slots, KV room): ONE daemon, `trtllm-orch up --gpus 0-1 --tp 1
---assume-gpus 2 --proxy embedded --config FILE`, serving a twin repository (demo/fill_template.py)
+--assume-gpus 2 --proxy embedded --config FILE --canary-interval-s 0` (an overloaded segment's
+queue outlasts the canary's timeout, and the instance would be restarted), serving a twin repository (demo/fill_template.py)
 with the cell's engine: triton_max_batch_size = slots, max_tokens_in_paged_kv_cache = the cell's
 KV tokens, twin_tokens_per_block 64, KV reuse on, guaranteed_no_evict, twin_decode_ms 20,
 twin_prefill_ms_per_token 0.1 (routing_cells.py has the numbers).
@@ -336,7 +337,10 @@ def run_engine_cell(slots: int, room: float, cells: list[rc.Cell], targets: list
     repo = twin_repo(tmp, slots, cells[0].kv_tokens)
     config = tmp / "trtllm-orch.toml"
     config.write_text('lb_policy = "least-outstanding"\n')
-    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=("--config", str(config)),
+    # No canary: in an overloaded segment its generate waits behind the queue past its timeout
+    # and the daemon restarts the instance (seen at 20 req/s on least-outstanding's segments).
+    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded",
+              extra=("--config", str(config), "--canary-interval-s", "0"),
               env_extra={"DEMO_TOKEN_DELAY_MS": str(rc.DECODE_MS)}, model_repo=repo)
     ngx = None
     try:

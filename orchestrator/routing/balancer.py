@@ -50,6 +50,7 @@ class SharedRouting(NamedTuple):
     inflight: Mapping[str, int]
     counts: SharedCounts
     prefix_index: Any = None  # routing.prefix_index.PrefixIndex's methods; None: the policy's own
+    journal: Any = None  # routing.journal.Journal's methods (cost-model); None: the policy's own
 
 
 class Policy(Protocol):
@@ -120,7 +121,7 @@ POLICIES: dict[str, Callable[[random.Random], Policy]] = {
 
 class Balancer:
     __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling",
-                 "_view", "_shared", "_prefix_index")
+                 "_view", "_shared", "_prefix_index", "_journal")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -134,6 +135,7 @@ class Balancer:
         self._view: Mapping[str, int] = shared[0] if shared is not None else self.inflight
         self._shared: SharedCounts | None = shared[1] if shared is not None else None
         self._prefix_index = shared[2] if shared is not None and len(shared) > 2 else None
+        self._journal = shared[3] if shared is not None and len(shared) > 3 else None
         self._rng = rng or random.Random()
         self._clock = clock
         self._cooldown_s = cooldown_s
@@ -149,6 +151,8 @@ class Balancer:
         extra = {}
         if self._prefix_index is not None and "index" in inspect.signature(cls).parameters:
             extra["index"] = self._prefix_index  # one index for every worker: they route a prefix alike
+        if self._journal is not None and "journal" in inspect.signature(cls).parameters:
+            extra["journal"] = self._journal
         self._policy = cls(self._rng, **extra)
         self._choose = self._policy.choose
 
