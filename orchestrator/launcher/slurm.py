@@ -161,23 +161,27 @@ class SlurmGroup(ProcessGroup):
         if failed:
             grace_s = min(grace_s, FAILED_GROUP_GRACE_S)
         reachable = self.unavailable is None
+        iid = self.plan.instance_id
         if reachable:
             # SIGTERM to every process of the step through slurmd: mpirun passes it on to
             # its ranks, which finish what they are doing within the grace.
             with contextlib.suppress(SlurmUnreachable):
-                await self._signal_steps("TERM")
+                log.debug("instance=%s slurm stop: TERM to step(s) %s", iid, await self._signal_steps("TERM"))
             await self._wait_srun(grace_s)
         if self.running:
             # srun cancels its step on SIGTERM, through slurmstepd directly (this works when
             # only the node's slurmd is gone); it waits up to KillWait for the step to end,
             # which slurmctld never confirms for a node it cannot reach.
+            log.debug("instance=%s slurm stop: srun runs on after %gs: SIGTERM", iid, grace_s)
             self._ops.killpg(self.mpirun.pid, signal.SIGTERM)
             await self._wait_srun(SRUN_CANCEL_WAIT_S if reachable else SRUN_UNREACHABLE_WAIT_S)
         if self.running:
+            log.debug("instance=%s slurm stop: srun ignored SIGTERM: SIGKILL", iid)
             self._ops.killpg(self.mpirun.pid, signal.SIGKILL)
             await self._wait_srun(5.0)
         left: list[str] = []
         if reachable:
+            log.debug("instance=%s slurm stop: KILL to the step until squeue lists it no more", iid)
             left = await self._cancel_steps("KILL", STEP_GONE_TIMEOUT_S)
         if left:
             log.warning("instance=%s step(s) %s still listed by squeue %.0fs after stop", self.plan.instance_id,
@@ -188,7 +192,7 @@ class SlurmGroup(ProcessGroup):
             self.log.note(f"srun exited with code {self.mpirun.returncode}")
         await self._end_tasks()
         self.mpirun, self.pids, self.command = None, [], None
-        log.debug("instance=%s slurm stop: %.3fs (grace %gs)", self.plan.instance_id, time.monotonic() - t0, grace_s)
+        log.debug("instance=%s slurm stop: %.3fs (grace %gs)", iid, time.monotonic() - t0, grace_s)
 
     async def _wait_srun(self, timeout_s: float) -> None:
         if self.mpirun is not None and self.mpirun.returncode is None:

@@ -10,15 +10,17 @@ snapshots in the same order, so every worker learns the same rates:
                 `iteration_counter`; the prefill of that instance's traffic is in it
     out_tokens  output tokens per finished request, per instance (TRT-LLM's output histogram
                 over the input histogram's count): how many iterations a request holds a slot
-    prefill_s   seconds per prompt token computed (not taken from the KV cache), and
-    decode_s    seconds per iteration without prompt tokens, per engine shape (slots, KV
-                blocks, block size: the same engine on the same GPUs computes alike, and
-                pooling the instances' samples halves the noise and keeps it from making one
-                instance look dearer than its twin): a least-squares fit of the busy spans,
-                T = a * n + prefill_s * c + b, with n the iterations in the span and c the prompt
-                tokens its first iteration had in context phase (`total_context_tokens`, the
-                scraped iteration's own); the span's other iterations are unseen, so a long span
-                weighs less; decode_s = a + b (one iteration with c = 0)
+    prefill_s   seconds per prompt token computed (not taken from the KV cache), per engine
+                shape (slots, KV blocks, block size: the same engine on the same GPUs computes
+                alike, and pooling the instances' samples halves the noise and keeps it from
+                making one instance look dearer than its twin): the slope of a least-squares fit
+                of the busy spans, T = a * n + prefill_s * c + b, with n the iterations in the
+                span and c the prompt tokens its first iteration had in context phase
+                (`total_context_tokens`, the scraped iteration's own); the span's other
+                iterations are unseen, so a long span weighs less
+    decode_s    seconds per iteration without prompt tokens, per instance: iter_s less
+                prefill_s times the mean context tokens of the scraped iterations (a scrape sees
+                the last finished iteration: an unbiased sample of them)
 
 The prefill and decode rates are kept on a grid of 1/16 octave, as the token ratio is
 (tokens.py): a worker that learnt a hair differently (it started later) decides alike.
@@ -30,9 +32,10 @@ Estimated time to first token for a request with `uncached` prompt tokens to pre
     wait  = max(0, n - slots + 1) * out_tokens * iter_s / slots   (slots free one by one)
     ttft  = wait + prefill_s * uncached + decode_s
 
-`slots` is what runs at once: the batch slots, or fewer where the engine reports requests
-waiting for KV blocks (it runs what fits). Everything is in the engine's units: nothing here
-was tuned on one engine shape. The constants left are about the scrape cadence (FORGET).
+`slots` is what runs at once: the batch slots, or while the engine reports requests waiting
+for KV blocks, how many ran at once in such scrapes (it runs what fits). Everything is in the
+engine's units: nothing here was tuned on one engine shape. The constants left are about the
+scrape cadence (FORGET, FORGET_FIT) and a prior for output lengths (PRIOR_OUT_TOKENS).
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ from orchestrator.health.engine_state import EngineSnapshot
 # Each sample counts this much less per newer sample: the per-instance sums remember ~100 busy
 # scrapes (10 s at the monitor's 10 Hz), a shape's pooled fit ~500 samples (25 s of two busy
 # instances). The prefill slope is seen only through one iteration per span, so its fit needs
-# the longer memory: routing_sim (mixed long/short, 8 slots, closed loop) with 0.99 per
-# instance learnt prefill_s 0.76x and 2.5x the twin's 0.1 ms on its two instances; pooled at
-# 0.998, within 10% on every cell of the matrix after its first 20 s.
+# the longer memory: routing_sim (mixed long/short, 8 slots, closed loop, 30 s) with 0.99 per
+# instance learnt 0.76x and 2.5x the twin's 0.1 ms/token on its two instances; pooled at 0.998,
+# 0.94x on both. Not set per engine shape: both are counts of scrapes.
 FORGET = 0.99
 FORGET_FIT = 0.998
 # Output tokens per request before any request finished, or where the version exports no output
