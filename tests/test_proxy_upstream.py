@@ -188,3 +188,96 @@ async def test_slow_reader_pauses_the_instance_without_timing_out(pool):
         await asyncio.sleep(0.6)  # the relay is slow: reading is paused, the idle clock stops
         assert await r.read() == big
         r.release()
+
+
+class Sink:
+    """The client's side of a pipe: every write it got, and a buffer that can be made to look
+    full (a client that does not read)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.buffered = 0
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+async def piped(r, sink: Sink, framed: bool, head: bytes = b"", prefix: bytes = b"HEAD|") -> list[bytes]:
+    seen: list[bytes] = []
+    r.pipe(sink, framed, seen.append, head, prefix)
+    assert await r.piped()
+    return seen
+
+
+async def test_pipe_sends_a_short_answer_in_one_write_head_body_and_last_chunk(pool):
+    async with Raw(lambda head: b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                b"6\r\ndata: \r\n3\r\nx\n\n\r\n0\r\n\r\n") as up:
+        r = await request(pool, up.port)
+        sink = Sink()
+        seen = await piped(r, sink, framed=True)
+        assert sink.writes == [b"HEAD|9\r\ndata: x\n\n\r\n0\r\n\r\n"]
+        assert seen == [b"data: x\n\n"]
+        r.release()  # read to its end: the connection is reused
+        r = await request(pool, up.port)
+        assert up.connections == 1
+        r.close()
+
+
+async def test_pipe_relays_each_read_as_it_comes_and_ends_a_body_delimited_by_the_close(pool):
+    async def answer(head):
+        return b"HTTP/1.1 200 OK\r\n\r\n"
+
+    async with Raw(answer, keep_open=False) as up:
+        r = await request(pool, up.port)
+        sink = Sink()
+        seen = await piped(r, sink, framed=True, head=b"early")
+        # The head with what was read already; the end of the body (the close) is the last chunk.
+        assert b"".join(sink.writes) == b"HEAD|5\r\nearly\r\n0\r\n\r\n" and seen == [b"early"]
+    async with Raw(lambda head: ok(b"raw bytes")) as up:  # unframed: an HTTP/1.0 client
+        r = await request(pool, up.port)
+        sink = Sink()
+        await piped(r, sink, framed=False, prefix=b"")
+        assert sink.writes == [b"raw bytes"]
+        r.release()
+
+
+async def test_pipe_pauses_the_instance_while_the_client_is_full_and_fails_when_it_left(pool):
+    more = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def instance(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+        await more.wait()
+        writer.write(b"1\r\nb\r\n")
+        await reader.read()  # until the proxy closes its side
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(instance, "127.0.0.1", 0)
+    try:
+        r = await request(pool, server.sockets[0].getsockname()[1])
+        sink = Sink()
+        sink.buffered = 10 * 1024 * 1024  # a client that reads nothing
+        seen: list[bytes] = []
+        r.pipe(sink, True, seen.append)
+        # Paused: the caller drains the client, then resume(); no timeout meanwhile.
+        assert await r.piped() is False
+        sink.buffered = 0
+        r.resume()
+        sink.closing = True  # the client went away
+        more.set()  # more of the answer arrives for it
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(r.piped(), 5)
+        await asyncio.wait_for(closed.wait(), 5)  # the instance saw the close: it cancels the work
+        assert b"".join(sink.writes) == b"1\r\na\r\n" and seen == [b"a"]
+    finally:
+        server.close()

@@ -46,6 +46,7 @@ from orchestrator.routing.balancer import Balancer
 from orchestrator.dataplane.client_guard import BodyTimeout, ClientLimits, GuardedServer
 from orchestrator.dataplane.headers import TrustedPeers, client_response_headers, upstream_request_headers
 from orchestrator.dataplane.hold import HoldGate
+from orchestrator.dataplane.response_head import RelayedResponse, response_head
 from orchestrator.routing.llm_policies import RouteHints
 from orchestrator.dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.dataplane.metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
@@ -628,7 +629,7 @@ class EmbeddedProxy:
     async def _stream(self, request: web.BaseRequest, up: UpstreamResponse, b: Backend,
                       length: str | None, head: bytes = b"",
                       timer: TokenTimer | None = None) -> tuple[web.StreamResponse, bool]:
-        """Relay chunk by chunk (`head`: already read); True when the response was read to its end."""
+        """Relay as it arrives (`head`: body already read); True when the response was read to its end."""
         iid = b.instance_id
         headers = client_response_headers(up.headers, keep_length=length is not None)
         # SSE: every event is an output event; any other body is one answer, counted at its end.
@@ -637,40 +638,46 @@ class EmbeddedProxy:
         if headers.get("Content-Type", "").startswith(_SSE) or length is None:
             headers.setdefault("X-Accel-Buffering", "no")  # tell any proxy in front not to buffer
             headers.setdefault("Cache-Control", "no-cache")
-        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-        self.metrics.count(iid, up.status)
-        try:
-            await resp.prepare(request)
-        except ConnectionError:
+        status = up.status
+        # What HTTP lets this response carry, as aiohttp decided it for a StreamResponse: a
+        # body of unknown length goes chunked to an HTTP/1.1 client, and to an HTTP/1.0 one
+        # ends with the connection.
+        empty = request.method == "HEAD" or status in (204, 304) or status < 200
+        framed = length is None and not empty and request.version >= (1, 1)
+        keep_alive = request.keep_alive and (empty or length is not None or framed) and not self._stopping
+        resp = RelayedResponse(status, keep_alive)
+        self.metrics.count(iid, status)
+        transport = request.transport
+        if transport is None or transport.is_closing():
             return resp, False  # client already gone
-        content = up.content
-        chunk = head
-        while True:
-            if chunk:
-                try:
-                    await resp.write(chunk)
-                except ConnectionError:
-                    # Client went away: returning closes `up`, so Triton sees the cancel.
-                    self._log.debug("client %s disconnected mid-stream from instance %s",
-                                    request.remote, iid)
-                    return resp, False
-            try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                # Committed: bytes may have reached the client. Truncate so it can tell.
-                reason = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "body_error"
-                self._upstream_failed(b, reason)
-                self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
-                request.protocol.force_close()
-                return resp, False
-            if not chunk:
-                break
-            if sse is not None:
-                timer.events(iid, sse.feed(chunk))  # type: ignore[union-attr]
+        if sse is not None:
+            def on_data(data: bytes) -> None:
+                timer.events(iid, sse.feed(data))  # type: ignore[union-attr]
+        else:
+            def on_data(data: bytes) -> None:
+                pass
+        # From here the body goes from the instance's socket to the client's inside the
+        # upstream connection's callback (UpstreamResponse.pipe), the head with the first
+        # data; this coroutine only waits for the end and drains a slow client.
+        up.pipe(transport, framed, on_data, head, response_head(
+            status, up.reason, headers, version=request.version, framed=framed, keep_alive=keep_alive))
         try:
-            await resp.write_eof()
+            while not await up.piped():
+                await request.writer.drain()  # the client is the slow side: reading the instance waits
+                up.resume()
         except ConnectionError:
-            pass
+            # Client went away: returning closes `up`, so Triton sees the cancel.
+            self._log.debug("client %s disconnected mid-stream from instance %s", request.remote, iid)
+            resp.force_close()
+            return resp, False
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # Committed: bytes may have reached the client. Truncate so it can tell.
+            reason = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "body_error"
+            self._upstream_failed(b, reason)
+            self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
+            resp.force_close()
+            request.protocol.force_close()
+            return resp, False
         if timer is not None and sse is None:
             timer.events(iid)
         return resp, True

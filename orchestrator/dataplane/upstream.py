@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -125,7 +126,8 @@ class UpstreamResponse:
 
     __slots__ = ("status", "reason", "headers", "content", "_conn", "_loop", "_parser", "_raw", "_reason",
                  "_chunks", "_size", "_paused", "_head_done", "_done", "_exc", "_waiter", "_informational",
-                 "_until_eof", "_is_head", "_keep_alive", "_idle_s", "_timer", "_last")
+                 "_until_eof", "_is_head", "_keep_alive", "_idle_s", "_timer", "_last", "_sink", "_framed",
+                 "_on_data", "_out")
 
     def __init__(self, conn: _Connection, loop: asyncio.AbstractEventLoop, is_head: bool,
                  idle_s: float | None) -> None:
@@ -152,6 +154,11 @@ class UpstreamResponse:
         self._idle_s = idle_s
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0
+        # Pipe mode (pipe()): the body goes from the parser straight to the client's transport.
+        self._sink: asyncio.WriteTransport | None = None
+        self._framed = False
+        self._on_data: Callable[[bytes], None] | None = None
+        self._out: list[bytes] = []
 
     # --- the proxy's side -----------------------------------------------------------------
     async def _wait_head(self) -> "UpstreamResponse":
@@ -176,12 +183,87 @@ class UpstreamResponse:
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self._size = 0
+        self.resume()
+        return data
+
+    def pipe(self, sink: asyncio.WriteTransport, framed: bool, on_data: Callable[[bytes], None],
+             head: bytes = b"", prefix: bytes = b"") -> None:
+        """Relay the rest of the body to `sink` (the client's transport) from inside the
+        connection's data_received: what one read of the instance's socket brought is written
+        to the client at once, in one write, with no coroutine woken per read. That wake-up
+        and aiohttp's StreamResponse.write were most of a worker's cost per streamed event
+        (bench/results/dataplane_bench-*-worker.svg).
+
+        `prefix`: the response head for the client (response_head.py), written now with the
+        body that has arrived already (`head`: body the caller read, then what is buffered):
+        a short answer goes out in one write, head, body and last chunk. `framed`: re-frame
+        as HTTP/1.1 chunks, the last chunk with the last data. `on_data` sees every piece
+        relayed (SSE event counting). Then `piped()` waits for the end, a failure, or a full
+        client buffer."""
+        self._sink, self._framed, self._on_data = sink, framed, on_data
+        if head:
+            self._out.append(head)
+        if self._chunks:
+            self._out.extend(self._chunks)
+            self._chunks.clear()
+            self._size = 0
+        self.resume()  # paused while buffering (readany's HIGH_WATER): the client's buffer decides now
+        self._flush(prefix)
+
+    async def piped(self) -> bool:
+        """In pipe mode: True once the body was relayed to its end; False when the client's
+        buffer is past HIGH_WATER (reading from the instance is paused: drain the client,
+        then resume()). Raises as readany() does when the instance fails, and
+        ConnectionResetError when the client's transport closed."""
+        while True:
+            if self._exc is not None:
+                raise self._exc
+            if self._done:
+                if self._framed:
+                    self._flush()  # a body that ended with the connection: its last chunk
+                    if self._exc is not None:
+                        raise self._exc
+                return True
+            if self._paused:
+                return False
+            await self._wait()
+
+    def resume(self) -> None:
+        """Read from the instance again after a pause (the relay caught up)."""
         if self._paused:
             self._paused = False
             conn = self._conn
             if conn is not None and conn.transport is not None and not conn.closed:
                 conn.transport.resume_reading()
-        return data
+
+    def _flush(self, prefix: bytes = b"") -> None:
+        sink = self._sink
+        assert sink is not None and self._on_data is not None
+        if sink.is_closing():
+            self._out.clear()
+            self._fail(ConnectionResetError("the client went away"))
+            return
+        out = self._out
+        body = b""
+        if out:
+            body = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+        data = b"%x\r\n%b\r\n" % (len(body), body) if body and self._framed else body
+        if self._done and self._framed and self._exc is None:
+            self._framed = False  # the last chunk goes once, with the last data
+            data += b"0\r\n\r\n"
+        if prefix:
+            data = prefix + data
+        if data:
+            sink.write(data)
+        if body:
+            self._on_data(body)
+        if not self._paused and sink.get_write_buffer_size() > HIGH_WATER:
+            conn = self._conn
+            if conn is not None and conn.transport is not None:
+                self._paused = True
+                conn.transport.pause_reading()
+                self._wake()
 
     async def read(self) -> bytes:
         parts = []
@@ -235,6 +317,8 @@ class UpstreamResponse:
         except httptools.HttpParserError as exc:
             self._fail(BadResponse(f"unparsable response from the instance: {exc}") if not self._head_done
                        else aiohttp.ClientPayloadError(f"malformed response body from the instance: {exc}"))
+        if self._sink is not None and (self._out or (self._done and self._framed)):
+            self._flush()
 
     def _lost(self, exc: BaseException | None) -> None:
         if self._done or self._exc is not None:
@@ -323,6 +407,9 @@ class UpstreamResponse:
 
     def on_body(self, body: bytes) -> None:
         if self._done:
+            return
+        if self._sink is not None:
+            self._out.append(body)  # written once feed_data returns: one write per read
             return
         self._chunks.append(body)
         self._size += len(body)
