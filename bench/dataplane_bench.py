@@ -332,17 +332,25 @@ def ratios(rows: dict[str, Any], key: str) -> dict[str, float | None]:
     return out
 
 
-def report(result: dict[str, Any]) -> str:
-    lines = [f"# dataplane_bench {result['stamp']}", "", f"Machine: {result['machine']}", "",
-             "## SSE events/s (wrk, 256 streams x 32 events, 8 sse_source backends)", "",
+def _stream_table(result: dict[str, Any], key: str, events: int) -> list[str]:
+    lines = [f"## SSE events/s (wrk, 256 streams x {events} events, 8 sse_source backends)", "",
              "| workers | embedded ev/s | nginx ev/s | ratio | emb CPU-s/1k ev | nginx CPU-s/1k ev | "
              "emb p99 ms | nginx p99 ms | sources busy (emb/nginx) |", "|---|---|---|---|---|---|---|---|---|"]
-    st = result["stream"]
+    st, ratio = result[key], result[key + "_ratio"]
     for w in st["embedded"]:
         e, n = st["embedded"][w], st["nginx"][w]
-        lines.append(f"| {w} | {e['events_per_s']:,} | {n['events_per_s']:,} | {result['stream_ratio'][w]} | "
+        lines.append(f"| {w} | {e['events_per_s']:,} | {n['events_per_s']:,} | {ratio[w]} | "
                      f"{e['cpu_s_per_1k_events']} | {n['cpu_s_per_1k_events']} | {e['p99_ms']} | {n['p99_ms']} | "
                      f"{e['source_cores_busy']}/{n['source_cores_busy']} |")
+    return lines
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [f"# dataplane_bench {result['stamp']}", "", f"Machine: {result['machine']}; workers' event loop: "
+             f"{result.get('event_loop', 'not recorded')}", ""]
+    lines += _stream_table(result, "stream", result["events_per_stream"])
+    if result.get("stream_long"):
+        lines += [""] + _stream_table(result, "stream_long", result["long_events_per_stream"])
     lines += ["", "## Tiny generate req/s (one-event answers, 256 connections)", "",
               "| workers | embedded req/s | nginx req/s | ratio |", "|---|---|---|---|"]
     tiny = result["tiny"]
@@ -379,12 +387,20 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], plt: Any) -> Any:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, field, title in ((axes[0], "stream", "events_per_s", "SSE events/s"),
-                                  (axes[1], "tiny", "rps", "tiny generate req/s")):
+    panels = [("stream", f", {result['events_per_stream']}-event streams", "")]
+    if result.get("stream_long"):
+        panels.append(("stream_long", f", {result['long_events_per_stream']}-event streams", ":"))
+    for key, suffix, dotted in panels:
         for name, style in (("embedded", "o-"), ("nginx", "s--")):
             rows = result[key][name]
             ws = [int(w) for w in rows]
-            ax.plot(ws, [rows[str(w)][field] for w in ws], style, label=name)
+            axes[0].plot(ws, [rows[str(w)]["events_per_s"] for w in ws], style[0] + (dotted or style[1:]),
+                         label=name + suffix)
+    for name, style in (("embedded", "o-"), ("nginx", "s--")):
+        rows = result["tiny"][name]
+        ws = [int(w) for w in rows]
+        axes[1].plot(ws, [rows[str(w)]["rps"] for w in ws], style, label=name)
+    for ax, title in ((axes[0], "SSE events/s"), (axes[1], "tiny generate req/s")):
         ax.set_xlabel("workers")
         ax.set_ylabel(title)
         ax.set_title(title + " against workers")
@@ -395,6 +411,14 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
+def _event_loop() -> str:
+    try:
+        import uvloop  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return "asyncio (uvloop not installed: slower than a real install)"
+    return "uvloop"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="1,2,4,8,12")
@@ -402,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-seconds", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--long-events", type=int, default=0,
+                    help="also measure streams of this many events (per-event relay cost, less per-request)")
     args = ap.parse_args(argv)
     for tool in ("wrk", "nginx", "sse_source"):
         if shutil.which(tool) is None:
@@ -417,11 +443,18 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"stamp": stamp, "machine": f"{ncpu} cores, {os.uname().release}, Python "
                               f"{sys.version.split()[0]}", "workers": workers, "default_workers": default_w,
                               "connections": CONNECTIONS, "sources": SOURCES, "events_per_stream": EVENTS,
+                              # the workers run this interpreter: uvloop when it imports (a dependency)
+                              "event_loop": _event_loop(),
                               "layout": {str(w): dict(zip(("relay", "sources", "wrk"), layout(w, ncpu)))
                                          for w in workers}}
     log(f"stream scaling on {ncpu} cores: workers {workers}")
     result["stream"] = scaling(workers, args.seconds, ncpu, EVENTS)
     result["stream_ratio"] = ratios(result["stream"], "events_per_s")
+    if args.long_events:
+        log(f"long streams ({args.long_events} events)")
+        result["long_events_per_stream"] = args.long_events
+        result["stream_long"] = scaling(workers, args.seconds, ncpu, args.long_events)
+        result["stream_long_ratio"] = ratios(result["stream_long"], "events_per_s")
     log("tiny generate")
     result["tiny"] = scaling(workers, args.seconds / 2, ncpu, 1)
     result["tiny_ratio"] = ratios(result["tiny"], "rps")

@@ -171,6 +171,7 @@ class EmbeddedProxy:
         self._bound_port = 0
         self._metrics_port = 0
         self._ready_ids: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start(): the loop it serves on
 
     def apply_settings(self, settings: Settings) -> None:
         """The knobs a reload changes in place (the listen addresses need `down`/`up`)."""
@@ -198,6 +199,7 @@ class EmbeddedProxy:
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         s = self._settings
+        self._loop = asyncio.get_running_loop()
         if self._openai is not None:
             await self._openai.start()  # reads the model's facts; a bad --chat-template stops `up` here
         # Our own lean HTTP/1.1 client (upstream.py): bytes are relayed as the instance
@@ -322,7 +324,7 @@ class EmbeddedProxy:
 
     # --- public listener ------------------------------------------------------------
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)  # given the loop: no lookup (a getpid() in 3.11)
         assert task is not None
         self._handlers.add(task)
         try:
@@ -434,7 +436,7 @@ class EmbeddedProxy:
         balancer = self._balancer
         tried: list[str] = []
         last = "no attempt made"
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         for attempt in range(self._max_attempts):
             # Re-read: the set may change between attempts; an instance that just died
             # may have been the only one, then the retry waits for one to be ready.
