@@ -37,6 +37,8 @@ class FakeGroup:
         self.launched: list = []  # every LaunchCommand, in order
         self.stops: list[tuple[float, bool]] = []  # (grace, failed)
         self.launch_error: str | None = None
+        self.adopt_gone = False  # adopt() finds the previous daemon's mpirun gone
+        self.started_by = ""
 
     @property
     def mpirun_pid(self) -> int | None:
@@ -48,6 +50,14 @@ class FakeGroup:
         self.launched.append(cmd)
         self.command, self.running, self.exit_code = cmd, True, None
         self.pids = [10_000 + len(self.launched)]
+
+    def adopt(self, pid, create_time, cmd, started_by) -> bool:
+        """Take over a group a previous daemon left (live restore): alive unless a test says not."""
+        if self.adopt_gone:
+            return False
+        self.command, self.running, self.exit_code, self.started_by = cmd, True, None, started_by
+        self.pids = [pid]
+        return True
 
     async def watch_all(self) -> None:
         pass
@@ -71,6 +81,7 @@ class FakeChecks:
     canaries: list[ProbeResult] = field(default_factory=lambda: [OK])
     canary_gate: asyncio.Event | None = None  # set to let a canary answer (a hung instance)
     calls: list[str] = field(default_factory=list)
+    ready_deadlines: list[float] = field(default_factory=list)  # deadline_s of each wait_ready
 
     @staticmethod
     def _next(answers: list[ProbeResult]) -> ProbeResult:
@@ -78,6 +89,7 @@ class FakeChecks:
 
     async def wait_ready(self, model, deadline_s, is_alive) -> ProbeResult:
         self.calls.append("ready")
+        self.ready_deadlines.append(deadline_s)
         await asyncio.sleep(0)
         return self._next(self.ready)
 

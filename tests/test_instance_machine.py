@@ -23,7 +23,7 @@ FAST = dict(probe_interval_s=0.01, probe_failures=2, backoff_initial_s=0.0, back
 
 
 class Rig:
-    def __init__(self, tmp_path, checks: FakeChecks | None = None, **overrides) -> None:
+    def __init__(self, tmp_path, checks: FakeChecks | None = None, adopt=None, **overrides) -> None:
         self.settings = Settings(gpus="0-1", tp=2, model_repo="/models/a", **{**FAST, **overrides})
         sd = StateDir(tmp_path / "state")
         sd.ensure()
@@ -38,7 +38,7 @@ class Rig:
                              make_group, lambda backend: self.checks)
         plan = InstancePlan("0", (0, 1), Ports(9000, 9001, 9002), "127.0.0.1")
         self.moves: list[State] = []
-        self.inst = Instance(plan, self.shared, self._changed)
+        self.inst = Instance(plan, self.shared, self._changed, adopt=adopt)
         self.group = self.groups[0]
 
     def _changed(self, inst: Instance) -> None:
@@ -217,3 +217,38 @@ async def test_engine_monitor_runs_while_serving_and_a_stall_restarts(tmp_path):
         assert first.cancelled() and "iteration_counter stuck" in rig.inst.last_failure
         assert rig.inst._engine_monitor is not first and rig.checks.calls.count("monitor") == 2
     assert rig.inst._engine_monitor is None
+
+
+# --- live restore: a group the previous daemon left ----------------------------------
+def _left(pid: int = 4242):
+    from orchestrator.controlplane.adoption import Adoptable
+    return Adoptable("0", pid, 1.0, "0.9", frozenset({pid}))
+
+
+async def test_an_adopted_group_is_ready_without_a_launch(tmp_path):
+    rig = Rig(tmp_path, adopt=_left())
+    async with rig:
+        assert rig.inst.adopted and rig.group.launched == [] and rig.group.pids == [4242]
+        assert "adopted" in rig.inst.reason
+    # It had its model loaded: it answers within the probes' budget, not --startup-timeout-s.
+    assert rig.checks.ready_deadlines == [2 * (0.01 + 1.0)]
+
+
+async def test_an_adopted_group_that_hung_while_no_daemon_ran_is_relaunched_soon(tmp_path):
+    # A SIGSTOPped rank: mpirun and every rank alive (adoptable), nothing answers.
+    checks = FakeChecks(ready=[bad("GET /v2/health/ready: timeout"), OK])
+    rig = Rig(tmp_path, checks, adopt=_left(), startup_timeout_s=900.0)
+    async with rig:
+        assert len(rig.group.launched) == 1 and not rig.inst.adopted  # its own launch now
+        assert rig.group.stops and rig.group.stops[0][1] is True  # torn down as a failure
+    assert "adopted, but not ready within 2.02s" in rig.inst.last_failure
+    assert checks.ready_deadlines == [2.02, 900.0]  # the fresh launch gets the model-load budget
+    assert rig.moves[:5] == [State.STARTING, State.STOPPING, State.BACKOFF, State.STARTING, State.READY]
+
+
+async def test_an_adopted_group_gone_before_the_takeover_is_launched(tmp_path):
+    rig = Rig(tmp_path, adopt=_left())
+    rig.group.adopt_gone = True
+    async with rig:
+        assert not rig.inst.adopted and len(rig.group.launched) == 1
+    assert rig.checks.ready_deadlines == [rig.settings.startup_timeout_s]

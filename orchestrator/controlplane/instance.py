@@ -70,6 +70,15 @@ class Shared:
     abort_upstream: Callable[[Backend, str, bool], None] = lambda backend, reason, answering: None
 
 
+def adopted_ready_s(s: Settings) -> float:
+    """How long an adopted group has to answer ready: it was serving under the previous
+    daemon and has its model loaded, so it answers at once, or it hung while no daemon
+    watched (a SIGSTOPped or deadlocked rank: mpirun and every rank alive, nothing
+    answering). As long as --probe-failures failed probes take, not --startup-timeout-s
+    (15 minutes by default, made for a model load)."""
+    return min(s.startup_timeout_s, s.probe_failures * (s.probe_interval_s + s.probe_timeout_s))
+
+
 class _Command:
     STOP = "stop"
     RESTART = "restart"
@@ -335,14 +344,16 @@ class Instance:
             if adopt is not None and self.group.adopt(adopt.mpirun_pid, adopt.create_time, cmd, adopt.started_by):
                 self.adopted = True
             else:
+                self.adopted = False  # what runs from now on is this daemon's own launch
                 await self.group.launch(cmd)
         except LaunchFailed as exc:
             return str(exc)
         self.running_config = {"generation": shared.generation, "model_repo": s.model_repo,
                                "tritonserver_arg": list(s.tritonserver_arg)}
         self._on_change(self)  # record the pid in state.json before anything can go wrong
+        deadline_s = adopted_ready_s(s) if self.adopted else s.startup_timeout_s
         result = await self._until_woken(
-            self.checks.wait_ready(s.served_model, s.startup_timeout_s, lambda: self.group.running))
+            self.checks.wait_ready(s.served_model, deadline_s, lambda: self.group.running))
         if self._command is not None:
             return None  # a stop/restart command: _teardown handles it, it is no failure
         if self._trouble:
@@ -351,6 +362,8 @@ class Instance:
             why = result.reason if result is not None else "interrupted"
             if self.group.exit_code is not None:
                 why = f"mpirun exited with code {self.group.exit_code} before ready"
+            elif self.adopted:
+                why = f"adopted, but not ready within {deadline_s:g}s: hung while no daemon ran? ({why})"
             elif time.monotonic() - self.started_at >= s.startup_timeout_s:
                 why = f"not ready within --startup-timeout-s={s.startup_timeout_s:g} ({why})"
             return why
