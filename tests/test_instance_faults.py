@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 
 import aiohttp
 import pytest
@@ -136,3 +137,12 @@ async def test_stop_during_backoff_needs_no_kill(tmp_path):
         assert h.states()[-2:] == [State.BACKOFF, State.STOPPED]
         assert h.inst.reason == "stopped during backoff"
         assert h.ops.spawns == 2
+
+
+def test_a_group_starts_with_a_home_even_when_the_daemon_has_none():
+    # systemd starts a root service without HOME; Open MPI's mpirun cannot start without one.
+    from orchestrator.launcher.group import spawn_env
+    env = spawn_env({"PATH": "/bin", "NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1"}, {"TMPDIR": "/t"})
+    assert env["PATH"] == "/bin" and env["TMPDIR"] == "/t" and "NOTIFY_SOCKET" not in env
+    assert env["HOME"] and os.path.isabs(env["HOME"])
+    assert spawn_env({"HOME": "/home/me"}, {})["HOME"] == "/home/me"

@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import pwd
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import psutil
 
@@ -35,6 +36,21 @@ log = logging.getLogger("trtllm-orch")
 
 # systemd's notify/watchdog variables are the daemon's alone (NotifyAccess=main).
 _DAEMON_ONLY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
+
+
+def spawn_env(daemon_env: Mapping[str, str], added: Mapping[str, str]) -> dict[str, str]:
+    """The environment a group starts with: the daemon's, less what is systemd's word to the
+    daemon alone, plus the command's. HOME is set when missing: systemd starts a service
+    without one unless it names a User=, and Open MPI's mpirun then fails at once
+    ("Unable to get the user home directory", opal_init)."""
+    env = {k: v for k, v in daemon_env.items() if k not in _DAEMON_ONLY_ENV}
+    env.update(added)
+    if not env.get("HOME"):
+        try:
+            env["HOME"] = pwd.getpwuid(os.getuid()).pw_dir or "/"
+        except KeyError:  # a uid with no passwd entry
+            env["HOME"] = "/"
+    return env
 
 # A group that already failed has nothing to drain (a TP job missing a rank cannot
 # answer): stop() SIGKILLs all of it at once, mpirun included (prterun took ~0.3 s to
@@ -112,8 +128,7 @@ class ProcessGroup:
     async def _spawn(self, cmd: LaunchCommand) -> None:
         """Start the local process of the job (mpirun; srun for launcher.slurm.SlurmGroup)."""
         self.log.note("launch: " + cmd.shell_text())
-        env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
-        env.update(cmd.env)
+        env = spawn_env(os.environ, cmd.env)
         try:
             if cmd.scratch:
                 await asyncio.to_thread(self._ops.fresh_dir, cmd.scratch)
