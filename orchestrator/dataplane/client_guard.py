@@ -99,17 +99,14 @@ class GuardedServer(web.Server):
         self.open_connections = 0
         self._refusals = _Throttled(log, logging.WARNING)
         self._cuts = _Throttled(log, logging.INFO)
-        # The protocol per connection: fast_lane.py's subclass where a proxy gives it a lane.
-        self.protocol_class: type[GuardedProtocol] = GuardedProtocol
-        self.lane: Any = None
 
     def __call__(self) -> RequestHandler:
         # The protocol factory: one protocol per accepted connection.
-        return self.protocol_class(self, loop=self._event_loop, **self._protocol_kwargs)
+        return _GuardedProtocol(self, loop=self._event_loop, **self._protocol_kwargs)
 
     async def _guarded(self, request: web.BaseRequest) -> web.StreamResponse:
         protocol = request.protocol
-        if isinstance(protocol, GuardedProtocol):
+        if isinstance(protocol, _GuardedProtocol):
             protocol.stop_head_timer()
         timer = None
         if request.body_exists and not request.content.is_eof():  # a small body came with the head
@@ -138,7 +135,7 @@ class GuardedServer(web.Server):
                        "with 503", self.limits.max_connections, transport.get_extra_info("peername"))
 
 
-class GuardedProtocol(RequestHandler):
+class _GuardedProtocol(RequestHandler):
     """aiohttp's per-connection protocol, plus the head deadline and the connection count."""
 
     __slots__ = ("_guard", "_head_timer", "_counted")

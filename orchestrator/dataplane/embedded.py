@@ -45,15 +45,13 @@ from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer
 from orchestrator.dataplane.client_guard import BodyTimeout, ClientLimits, GuardedServer
 from orchestrator.dataplane.headers import TrustedPeers, client_response_headers, upstream_request_headers
-from orchestrator.dataplane.fast_lane import FastLane, FastLaneProtocol, FastRequest
 from orchestrator.dataplane.hold import HoldGate
 from orchestrator.dataplane.response_head import RelayedResponse, response_head
 from orchestrator.routing.llm_policies import RouteHints
 from orchestrator.dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.dataplane.metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
 from orchestrator.routing.prompt import prompt_of_json
-from orchestrator.routing.surface import (ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY,
-                                          Route, Surface)
+from orchestrator.routing.surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY, Surface
 from orchestrator.dataplane.upstream import (BadResponse, ConnectFailed, ConnectTimeout, Disconnected, HeadTimeout, UpstreamPool,
                        UpstreamResponse)
 
@@ -195,8 +193,6 @@ class EmbeddedProxy:
                                     settings.max_client_connections)
         for server in self._servers:
             server.limits = self._limits
-            if server.lane is not None:
-                server.lane.max_body = self._max_body
         if self._openai is not None:
             self._openai.apply_settings(settings)
 
@@ -232,10 +228,6 @@ class EmbeddedProxy:
         server = GuardedServer(handler, limits=self._limits, log=self._log, handler_cancellation=True,
                                access_log=None, auto_decompress=False,
                                keepalive_timeout=CLIENT_KEEPALIVE_S, logger=self._http_log)
-        if handler == self._handle:
-            # Native inference requests skip aiohttp's request machinery (fast_lane.py).
-            server.protocol_class = FastLaneProtocol
-            server.lane = FastLane(self._fast_route, self._serve_fast, self._max_body)
         self._servers.append(server)
         runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CANCEL_GRACE_S)
         await runner.setup()
@@ -345,30 +337,6 @@ class EmbeddedProxy:
             resp.force_close()
         return resp
 
-    def _fast_route(self, method: str, raw_path: str) -> Route | None:
-        """The route of a request the fast lane may take: one `_dispatch` would forward as it is."""
-        route = self._surface.route(method, raw_path)
-        if route.api != "v2" or self._openai_only:
-            return None
-        if route.kind is PUBLIC or (route.kind is ADMIN and self._allow_admin):
-            return route
-        return None
-
-    async def _serve_fast(self, request: FastRequest, route: Route) -> web.StreamResponse:
-        """`_handle` and `_dispatch` for a request the fast lane read whole."""
-        task = asyncio.current_task(self._loop)
-        assert task is not None
-        self._handlers.add(task)
-        try:
-            resp = await self._forward(request, route.path, request.query, route.stream, body=request.body)
-        finally:
-            self._handlers.discard(task)
-            if self._tally is not None:
-                self._tally()
-        if self._stopping:
-            resp.force_close()
-        return resp
-
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         url = request.rel_url
         route = self._surface.route(request.method, url.raw_path)
@@ -432,23 +400,19 @@ class EmbeddedProxy:
             self._log.debug("bad request body from %s: %r", request.remote, exc)
             return _error(400, "incomplete or malformed request body", close=True)
 
-    async def _forward(self, request: Any, path: str, query: str, stream: bool,
-                       call: NativeCall | None = None, body: bytes | None = None) -> web.StreamResponse:
-        """`request`: aiohttp's, or the fast lane's (fast_lane.FastRequest: the same names);
-        `call`: an OpenAI request, already read and translated (body, timer, relay); `body`:
-        the request's body, read already (the fast lane's).
+    async def _forward(self, request: web.BaseRequest, path: str, query: str,
+                       stream: bool, call: NativeCall | None = None) -> web.StreamResponse:
+        """`call`: an OpenAI request, already read and translated (body, timer, relay).
 
         Long on purpose (the hot path: every request runs it once per attempt): hold, pick,
         send and the retry decision share a dozen locals, and splitting them into helpers
         costs a coroutine frame or a tuple per request in what the flame graph
         (bench/results/dataplane_bench-*-worker.svg) shows is already the worker's cost."""
         if call is None:
-            if body is None:
-                read = await self._read_body(request)
-                if not isinstance(read, bytes):
-                    self.metrics.count(NO_INSTANCE, read.status)
-                    return read
-                body = read
+            body = await self._read_body(request)
+            if not isinstance(body, bytes):
+                self.metrics.count(NO_INSTANCE, body.status)
+                return body
             # Generations only (generate, generate_stream, infer): their first event is a token.
             action = path.rpartition("/")[2]
             timer = self.metrics.timer(action) if action in _LLM_ACTIONS else None
