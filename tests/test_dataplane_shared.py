@@ -170,8 +170,8 @@ def test_failures_go_to_the_daemon_while_it_is_there(tmp_path):
     assert len(m.backends.current()) == 2  # the daemon decides ejections
 
 
-def test_while_the_daemon_is_away_one_worker_ejects_for_all(tmp_path):
-    clock = Clock()
+def two_workers_away(tmp_path, clock: Clock) -> tuple[SharedTable, WorkerMembership, WorkerMembership]:
+    """Two workers on one table, 3 instances, their daemon killed."""
     table = SharedTable.create(tmp_path / "t")
     w0 = WorkerMembership(ReadyBackends(), table, lambda msg: None, threshold=3, clock=clock)
     w1 = WorkerMembership(ReadyBackends(), SharedTable.open(tmp_path / "t"), lambda msg: None, threshold=3,
@@ -181,6 +181,12 @@ def test_while_the_daemon_is_away_one_worker_ejects_for_all(tmp_path):
         m.on_members(member_list(3))
         m.set_connected(False)  # the daemon was killed
         m.refresh()
+    return table, w0, w1
+
+
+def test_while_the_daemon_is_away_one_worker_ejects_for_all(tmp_path):
+    clock = Clock()
+    _, w0, w1 = two_workers_away(tmp_path, clock)
     dead = w0.backends.current()[1]
     for _ in range(3):
         dead.health.failure("connection refused")
@@ -286,3 +292,33 @@ def test_traffic_reaches_the_daemon_once_per_stats_message(tmp_path):
     for _ in range(5):
         m.backends.current()[2].health.success()
     assert m.take_served() == ["2"] and m.take_served() == []
+
+
+def test_the_away_prober_takes_a_silent_instance_out_for_every_worker_and_back_when_it_answers(tmp_path):
+    import logging
+
+    from orchestrator.config import Settings
+    from orchestrator.dataplane.away_probe import AwayProber
+    clock = Clock()
+    table, w0, w1 = two_workers_away(tmp_path, clock)
+    aborted = []
+    prober = AwayProber(w0, table, lambda host, port, reason: aborted.append((port, reason)),
+                        logging.getLogger("test"), clock=clock)
+    s = Settings(probe_interval_s=0.5, probe_timeout_s=0.5, probe_failures=3)
+    silent = w0.published()[1]
+    for i in range(3):
+        assert [b.instance_id for b in w0.backends.current()] == ["0", "1", "2"], i  # not before 3 failures
+        for b in w0.published():
+            prober.judge(b, b is not silent, "GET /v2/health/live: timeout after 0.5s", s)
+    assert [b.instance_id for b in w0.backends.current()] == ["0", "2"]
+    w1.refresh()  # another worker's heartbeat tick: out there too
+    assert [b.instance_id for b in w1.backends.current()] == ["0", "2"]
+    assert aborted == [(silent.http_port, "3 failed probes: GET /v2/health/live: timeout after 0.5s")]
+    # Kept out while it fails (renewed per probe), back at its first answer.
+    clock.t += 30
+    prober.judge(silent, False, "timeout", s)
+    w1.refresh()
+    assert [b.instance_id for b in w1.backends.current()] == ["0", "2"] and len(aborted) == 1
+    prober.judge(silent, True, "", s)
+    w1.refresh()
+    assert [b.instance_id for b in w1.backends.current()] == ["0", "1", "2"]

@@ -238,11 +238,9 @@ def rank_of(mpirun_pid: int) -> psutil.Process:
     return ranks[0]
 
 
-# While no daemon runs, only the data plane can see a hung instance, and only through
-# --first-byte-timeout-s (off by default): without it a request it took waits for a
-# response head up to --idle-timeout-s (300 s) and counts toward no ejection until then.
-# With it, each such request is retried elsewhere and counts toward the workers' passive
-# ejection. Round-robin sends the faulted instances their share (prefix-affinity kept this
+# While no daemon runs, only the data plane can see a hung instance: through its probes
+# (away_probe.py, on by default) and, where set, --first-byte-timeout-s (each request it took
+# is retried elsewhere and counts toward the workers' passive ejection). Round-robin sends the faulted instances their share (prefix-affinity kept this
 # load's one prompt on one instance, least-outstanding avoids one whose requests pile up).
 AWAY_FLAGS = ("--proxy-workers", "2", "--lb-policy", "round-robin",
               "--probe-interval-s", "0.5", "--probe-timeout-s", "0.5", "--probe-failures", "3")
@@ -309,11 +307,13 @@ def test_faults_while_no_daemon_runs_are_healed_by_the_next_up(orch_run):
     assert numbers["served_away"] > 0, "nothing was served while the daemon was away"
 
 
-def test_a_hang_while_no_daemon_runs_stalls_its_requests_until_the_next_up(orch_run):
-    """Default settings (no first-byte timeout): the workers never eject the SIGSTOPped
-    instance, and round-robin hands it a share of requests, which wait there. A known
-    limit, not a goal: measured, 2 requests served in the 12 s away instead of ~80 (both
-    load threads stuck there). The next up tears the group down and what waited on it
-    is retried elsewhere: nothing fails as long as the clients wait that long."""
+def test_a_hang_while_no_daemon_runs_is_probed_out_by_the_workers(orch_run):
+    """Default settings (no first-byte timeout): the workers' own probes (away_probe.py) take
+    the SIGSTOPped instance out and fail what waits on it over to the others. Before them
+    the hung instance kept its round-robin share and both load threads got stuck there:
+    measured, 2 requests served in the 12 s away instead of ~80."""
     run = orch_run(gpus="0-3", tp=1, assume_gpus=4, extra=AWAY_FLAGS).start()
-    faults_while_away(run)
+    numbers = faults_while_away(run)
+    assert numbers["served_away"] >= 20, numbers
+    log = "".join(p.read_text(errors="replace") for p in (run.state_dir / "dataplane").glob("worker-*.log"))
+    assert "instance 2 failed 3 probes in a row with no daemon" in log, log[-2000:]

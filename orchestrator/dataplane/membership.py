@@ -10,7 +10,8 @@ worker, so a passive ejection seen by one worker ejects for all.
 While the daemon is away (killed, restarting, upgrading) the worker keeps the
 last set and judges on its own: `threshold` consecutive failures on one instance
 eject it for AWAY_EJECT_S, written to the shared table so every worker skips it,
-then it is tried again (Envoy's passive re-admission). The daemon, once back,
+then it is tried again (Envoy's passive re-admission). An instance that accepts and says
+nothing is found by the worker's probes meanwhile (away_probe.py). The daemon, once back,
 publishes the truth and the local judgement stops.
 """
 
@@ -81,6 +82,10 @@ class WorkerMembership:
         self._published = tuple(out)
         self.ejected_away.clear()  # the daemon's set is the truth again
         self.refresh()
+
+    def published(self) -> tuple[Backend, ...]:
+        """The daemon's last set, local ejections included (what the away prober checks)."""
+        return self._published
 
     def on_engine(self, iid: str, snapshot: dict[str, Any]) -> None:
         view = self._views.get(iid)

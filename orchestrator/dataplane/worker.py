@@ -40,6 +40,7 @@ from typing import Any
 
 from orchestrator import __version__
 from orchestrator.config import Settings, settings_from_json
+from orchestrator.dataplane.away_probe import AwayProber
 from orchestrator.dataplane.feed import FeedClient
 from orchestrator.dataplane.membership import WorkerMembership
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
@@ -85,6 +86,7 @@ class Worker:
         self._grace_s = 5.0
         self._got_members = asyncio.Event()
         self.started = time.time()
+        self._away_task: asyncio.Task[None] | None = None  # the away prober, while no daemon is there
 
     async def run(self) -> int:
         from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read
@@ -124,6 +126,8 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await proxy.stop(self._grace_s)
         finally:
+            if self._away_task is not None:
+                tasks.append(self._away_task)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -161,10 +165,7 @@ class Worker:
         elif kind == "send_sockets":
             self._send_sockets(str(msg["path"]))
         elif kind == "abort":  # an instance stopped answering: what waits on it goes elsewhere
-            for proxy in self.proxies:
-                abort = getattr(proxy, "abort_instance", None)
-                if abort is not None:
-                    abort(str(msg["host"]), int(msg["port"]), str(msg.get("reason", "")), bool(msg.get("answering")))
+            self._abort(str(msg["host"]), int(msg["port"]), str(msg.get("reason", "")), bool(msg.get("answering")))
         elif kind == "drain":
             self._grace_s = float(msg.get("grace_s", self._grace_s))
             self._stop.set()
@@ -182,12 +183,24 @@ class Worker:
         except OSError as exc:
             self._log.warning("data-plane worker %d: socket handover to %s failed: %s", self.slot, path, exc)
 
+    def _abort(self, host: str, port: int, reason: str, answering: bool) -> None:
+        for proxy in self.proxies:
+            abort = getattr(proxy, "abort_instance", None)
+            if abort is not None:
+                abort(host, port, reason, answering)
+
     def _on_connection(self, up: bool) -> None:
         self.membership.set_connected(up)
+        if self._away_task is not None:
+            self._away_task.cancel()  # a daemon is back (or this is a second "gone"): it decides
+            self._away_task = None
         if not up:
             self._log.warning("data-plane worker %d: the daemon is gone; serving the last membership "
-                              "(%d instance(s)) with passive health", self.slot,
+                              "(%d instance(s)) with passive health and its own probes", self.slot,
                               len(self.membership.backends.current()))
+            prober = AwayProber(self.membership, self.table,
+                                lambda host, port, reason: self._abort(host, port, reason, True), self._log)
+            self._away_task = asyncio.get_running_loop().create_task(prober.run(self.settings), name="away-probe")
         self.membership.refresh()
 
     def _apply(self, settings: Settings) -> None:
