@@ -179,6 +179,14 @@ class Embedded:
     def pids(self) -> list[int]:
         return self.pool.pids()
 
+    def complaints(self, limit: int = 8) -> list[str]:
+        """The workers' last warning and error lines: why answers were not 2xx."""
+        lines = []
+        for log_file in sorted((self.state / "dataplane").glob("worker-*.log")):
+            lines += [ln for ln in log_file.read_text(errors="replace").splitlines()
+                      if " WARNING " in ln or " ERROR " in ln]
+        return lines[-limit:]
+
     def __exit__(self, *exc: Any) -> None:
         asyncio.run_coroutine_threadsafe(self.pool.stop(2.0), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -201,7 +209,9 @@ def measure(target: Any, cores: tuple[list[int], list[int], list[int]], sources:
     cpu, src_cpu = cpu_seconds(pids) - c0, cpu_seconds(sources.pids) - s0
     events = res["requests"] * events_per_answer
     dur = res["duration_s"] or seconds
+    why = target.complaints() if res["failed"] and hasattr(target, "complaints") else []
     return {"rps": res["rps"], "events_per_s": round(events / dur), "failed": res["failed"], "errors": res["errors"],
+            **({"why_failed": why} if why else {}),
             "p50_ms": res["p50_ms"], "p99_ms": res["p99_ms"],
             "cpu_s_per_1k_events": round(1000 * cpu / events, 4) if events else None,
             "relay_cores_busy": round(cpu / dur, 2),
@@ -365,6 +375,13 @@ def report(result: dict[str, Any]) -> str:
             for name, r in t[streams].items():
                 lines.append(f"| {streams.split('_')[1]} | {name} | {r['p50_ms']} | {r['p99_ms']} | "
                              f"{r.get('added_p50_ms', '')} | {r.get('added_p99_ms', '')} |")
+    failed = [(key, name, w, r) for key in ("stream", "stream_long", "tiny") if result.get(key)
+              for name, rows in result[key].items() for w, r in rows.items() if r["failed"]]
+    if failed:
+        lines += ["", "## Answers that were not 2xx", ""]
+        for key, name, w, r in failed:
+            lines.append(f"- {key}, {name}, {w} workers: {r['failed']} of {round(r['rps'] * result['seconds'])} "
+                         f"({r['errors']})" + "".join(f"\n  - `{why[-200:]}`" for why in r.get("why_failed", [])))
     lines += ["", "## Goals", ""] + [f"- {k}: {v}" for k, v in result["goals"].items()]
     return "\n".join(lines) + "\n"
 
@@ -443,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"stamp": stamp, "machine": f"{ncpu} cores, {os.uname().release}, Python "
                               f"{sys.version.split()[0]}", "workers": workers, "default_workers": default_w,
                               "connections": CONNECTIONS, "sources": SOURCES, "events_per_stream": EVENTS,
+                              "seconds": args.seconds,
                               # the workers run this interpreter: uvloop when it imports (a dependency)
                               "event_loop": _event_loop(),
                               "layout": {str(w): dict(zip(("relay", "sources", "wrk"), layout(w, ncpu)))
