@@ -317,3 +317,56 @@ def test_a_hang_while_no_daemon_runs_is_probed_out_by_the_workers(orch_run):
     assert numbers["served_away"] >= 20, numbers
     log = "".join(p.read_text(errors="replace") for p in (run.state_dir / "dataplane").glob("worker-*.log"))
     assert "instance 2 failed 3 probes in a row with no daemon" in log, log[-2000:]
+
+
+# The release before this one: the last submission that landed (stop 29). Its daemon,
+# engines and workers run the old code; `upgrade` from this code takes them over.
+LAST_LANDED = "5a01d03"
+
+
+def test_upgrade_from_the_last_landed_release_adopts_everything_under_load(orch_run, tmp_path):
+    """A package upgrade: the old release's code as an installed package would be (on the
+    path ahead of this one, not the working directory), started with `up`; `upgrade` run by
+    this code detaches it and starts this code's daemon, which adopts the old release's
+    engines and data-plane workers."""
+    import subprocess
+    import sys
+
+    from tests.harness import REPO
+    old = tmp_path / "old-release"
+    old.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", LAST_LANDED, "orchestrator"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"release {LAST_LANDED} not in this clone's history: {archive.stderr[-200:]!r}")
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2"))
+    old_env = {**run.env, "PYTHONPATH": os.pathsep.join([str(old), run.env["PYTHONPATH"]])}
+    run._log = open(run.log_path, "wb")
+    run.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", *run.args], env=old_env,
+                                cwd=tmp_path, stdout=run._log, stderr=subprocess.STDOUT, start_new_session=True)
+    run.wait_ready(90)
+    before = run.status()
+    workers_code = {psutil.Process(pid).environ().get("PYTHONPATH", "").split(os.pathsep)[0]
+                    for pid in worker_pids(before)}
+    assert workers_code == {str(old)}, workers_code  # the old release serves
+    streams = Streams(run)
+    with Load(run, threads=3) as load:
+        streams.start()
+        time.sleep(0.5)
+        out = run.cli("upgrade", "--state-dir", str(run.state_dir), timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert run.proc.wait(timeout=10) == 75  # the old daemon detached
+        time.sleep(1.0)
+        streams.stop.set()
+    streams.join(60)
+    after = run.status()
+    new_daemon = psutil.Process(after["daemon"]["pid"])
+    print(f"\nupgrade {LAST_LANDED} -> this code: {out.stdout.strip()}; {load.ok} HTTP ok, "
+          f"{len(load.failures)} failed; {streams.done} streams, {len(streams.cut)} cut")
+    assert str(old) not in new_daemon.environ().get("PYTHONPATH", "")  # this code took over
+    assert "2/2 instances adopted" in out.stdout, out.stdout
+    assert engine_pids(after) == engine_pids(before) and worker_pids(after) == worker_pids(before)
+    assert all(i["restarts"] == 0 and i["state"] == "READY" for i in after["instances"]), after["instances"]
+    assert load.failures == [] and streams.cut == [], (load.failures[:3], streams.cut[:3])
+    assert run.cli("down", "--state-dir", str(run.state_dir), timeout=120).returncode == 0
