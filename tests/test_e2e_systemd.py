@@ -32,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.harness import REPO, free_port_block, tagged, triton_env
@@ -197,7 +198,7 @@ class Service:
         self.ns.sh("systemctl", "stop", "trtllm-orch.service", timeout=180)
 
 
-def under_load(svc: Service, fault) -> dict:
+def under_load(svc: Service, fault, restarts_by_systemd: int = 1) -> dict:
     """Start load, apply `fault` (given the daemon's pid), wait for the next daemon to adopt."""
     before = svc.status()
     restarts = int(svc.prop("NRestarts"))
@@ -217,7 +218,7 @@ def under_load(svc: Service, fault) -> dict:
     assert load.failures == [] and streams.cut == [], (load.failures[:3], streams.cut[:3])
     assert engine_pids(after) == engine_pids(before)
     assert all(i["adopted"] and i["state"] == "READY" for i in after["instances"]), after["instances"]
-    assert int(svc.prop("NRestarts")) == restarts + 1
+    assert int(svc.prop("NRestarts")) == restarts + restarts_by_systemd
     return {"back_s": back_s, "ok": load.ok}
 
 
@@ -239,3 +240,16 @@ def test_systemctl_kill_usr2_upgrades_in_place(systemd_ns):
     under_load(svc, lambda pid: systemd_ns.sh("systemctl", "kill", "-s", "USR2", "--kill-whom=main",
                                               "trtllm-orch.service"))
     svc.stop()
+
+
+def test_systemctl_restart_restarts_the_daemon_alone_and_stop_stops_everything(systemd_ns):
+    """`systemctl restart` (a package upgrade's): the daemon sees its unit's restart job on
+    SIGTERM and detaches; the job's start adopts. `systemctl stop` then stops the engines."""
+    svc = Service(systemd_ns)
+    under_load(svc, lambda pid: systemd_ns.sh("systemctl", "restart", "trtllm-orch.service", timeout=180),
+               restarts_by_systemd=0)  # NRestarts counts Restart='s, not a restart asked for
+    assert "systemctl restart" in svc.log.read_text()
+    engines = [i["mpirun_pid"] for i in svc.status()["instances"]]
+    svc.stop()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in engines), "systemctl stop left an engine running"

@@ -133,3 +133,16 @@ def test_systemd_analyze_verify(tmp_path: Path, with_user: bool) -> None:
                 if "trtllm-orch.service" in ln or "Unknown" in ln or "rror" in ln]
     assert result.returncode == 0, result.stdout + result.stderr
     assert problems == [], problems
+
+
+@pytest.mark.unit
+def test_the_daemon_tells_a_restart_job_from_a_stop():
+    from orchestrator.service.systemd_job import own_unit, restart_job_for
+    v1 = "12:pids:/system.slice/trtllm-orch.service\n1:name=systemd:/system.slice/trtllm-orch.service\n"
+    v2 = "0::/system.slice/trtllm-orch.service\n"
+    assert own_unit(v1) == own_unit(v2) == "trtllm-orch.service"
+    assert own_unit("0::/user.slice/user-0.slice/session-1.scope\n") is None
+    jobs = "1234 trtllm-orch.service restart running\n99 other.service start waiting\n"
+    assert restart_job_for("trtllm-orch.service", jobs)
+    assert not restart_job_for("trtllm-orch.service", "1234 trtllm-orch.service stop running\n")
+    assert not restart_job_for("trtllm-orch.service", "99 other.service restart running\n")

@@ -249,12 +249,25 @@ class Daemon:
         # The record the next daemon adopts from, written now and whole.
         await asyncio.to_thread(self.state_dir.write_state, self.state_record())
 
+    async def _stop_or_detach(self, signame: str) -> None:
+        from orchestrator.service.systemd_job import being_restarted
+        if await being_restarted():
+            self.request_detach(f"{signame} of `systemctl restart`: the restarted daemon adopts")
+        else:
+            self.request_stop(f"{signame} received")
+
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
         # Handlers only record the signal; the loop acts on it (uvicorn's rule).
         def on_term(signame: str) -> None:
             if self._stop.is_set():
                 log.warning("second %s: forcing exit", signame)
                 os._exit(1)
+            if signame == "SIGTERM" and os.environ.get("INVOCATION_ID"):
+                # Under systemd: `systemctl restart` detaches, stop stops (service/systemd_job.py).
+                task = loop.create_task(self._stop_or_detach(signame), name="sigterm")
+                self._signal_tasks.add(task)
+                task.add_done_callback(self._signal_tasks.discard)
+                return
             self.request_stop(f"{signame} received")
 
         def on_hup() -> None:
