@@ -50,9 +50,18 @@ def test_a_recycled_pid_is_not_the_group():
     assert note == f"instance 0: not adopted: mpirun pid {os.getpid()} is gone"
 
 
-def test_a_changed_launch_command_is_not_adopted():
+def test_a_changed_launch_command_on_other_gpus_or_ports_is_not_adopted():
     (note,) = notes(record(launch="mpirun -n 1 tritonserver --http-port=1"))
-    assert "its launch command differs from this config's" in note
+    assert "its launch command differs from this config's" in note and note.endswith("on other GPUs or ports")
+
+
+def test_a_changed_launch_command_in_the_same_place_goes_on_to_the_identity_checks():
+    # Same GPUs and ports, another argument: adoptable (then replaced by a rolling restart)
+    # if it is this run's group; this test's process is not, and that is what it is told.
+    same_place = "CUDA_VISIBLE_DEVICES=0 mpirun -n 1 tritonserver --http-port=9000 --grpc-port=9001 " \
+                 "--metrics-port=9002 --log-verbose=1"
+    (note,) = notes(record(launch=same_place))
+    assert note == f"instance 0: not adopted: pid {os.getpid()} does not carry this run's environment tag"
 
 
 def test_a_group_not_in_the_plan_is_not_adopted():

@@ -146,17 +146,39 @@ def test_kill_9_of_the_daemon_under_load_loses_nothing_and_the_next_up_adopts(or
           f"{sum(s.done for s in streams)} streams, {grpc_loop.ok} gRPC, {openai_loop.ok} OpenAI requests, 0 failed")
 
 
-def test_a_changed_config_is_relaunched_not_adopted(orch_run):
+def test_a_changed_config_is_adopted_then_replaced_one_at_a_time_under_load(orch_run):
+    """A new launch command on the same GPUs and ports (here one more tritonserver argument):
+    the groups are adopted and serve, then a rolling restart relaunches them one at a time,
+    so some instance is ready all along and no request fails."""
     run = orch_run(gpus="0-1", tp=1, assume_gpus=2).start()
     engines = engine_pids(run.status())
-    kill_daemon(run)
-    run.args += ["--tritonserver-arg=--log-verbose=0"]  # a different launch command
-    run.start()
-    after = run.status()
-    assert not set(engine_pids(after).values()) & set(engines.values())
-    assert all(not i["adopted"] for i in after["instances"])
+    with Load(run, threads=2) as load:
+        time.sleep(0.5)
+        kill_daemon(run)
+        run.args += ["--tritonserver-arg=--log-verbose=0"]  # a different launch command
+        run.start(wait_ready=False)
+        fewest_ready, replaced = 2, False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not replaced:
+            try:
+                st = run.status()
+            except AssertionError:  # the new daemon's socket is not up yet
+                time.sleep(0.1)
+                continue
+            ready = sum(i["state"] == "READY" for i in st["instances"])
+            replaced = ready == 2 and not set(engine_pids(st).values()) & set(engines.values())
+            if any(i["adopted"] for i in st["instances"]) or ready < 2:
+                fewest_ready = min(fewest_ready, ready)
+            time.sleep(0.1)
+    log = run.daemon_log()
+    print(f"\nchanged config: fewest ready while replacing {fewest_ready}; {load.ok} HTTP ok, "
+          f"{len(load.failures)} failed")
+    assert replaced, run.status()
+    assert "launch command differs" in log and "replaced by a rolling restart once adopted" in log, log[-3000:]
+    assert "rolling restart (adopted with an older launch command): 2 instance(s), one at a time" in log
+    assert fewest_ready >= 1  # never all out at once
+    assert load.failures == [], load.failures[:5]
     assert not any(alive(psutil.Process(p)) for p in engines.values() if psutil.pid_exists(p))
-    assert "launch command differs" in run.daemon_log()
 
 
 def test_a_half_dead_group_is_cleaned_up_and_restarted_the_rest_adopted(orch_run):

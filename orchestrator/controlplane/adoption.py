@@ -43,6 +43,10 @@ class Adoptable:
     create_time: float
     started_by: str
     pids: frozenset[int]  # every live process of the group: the sweep leaves them
+    # Why it must be replaced once adopted ('' when it runs this config's launch command): a
+    # group launched with another command on the same GPUs and ports serves until a rolling
+    # restart relaunches it, one instance at a time, instead of all of them at once.
+    stale: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,8 @@ def find_prior(state: dict[str, Any] | None, plans: Iterable[InstancePlan],
         if isinstance(why, Adoptable):
             prior.instances[iid] = why
             prior.notes.append(f"instance {iid}: adopting mpirun pid {why.mpirun_pid} "
-                               f"(started by trtllm-orch {why.started_by or '?'})")
+                               f"(started by trtllm-orch {why.started_by or '?'})"
+                               + (f"; {why.stale}: replaced by a rolling restart once adopted" if why.stale else ""))
         elif why:
             prior.notes.append(f"instance {iid}: not adopted: {why}")
     prior.workers, worker_notes = _workers(state.get("dataplane"), state_dir, listen)
@@ -108,8 +113,12 @@ def _instance_mismatch(iid: str, record: Any, plan: InstancePlan | None,
         return f"mpirun pid {pid} is gone"
     if plan is None:
         return "not in this config's plan"
-    if record.get("launch") != build_command(plan).shell_text():
-        return "its launch command differs from this config's (changed model repository, arguments or GPUs)"
+    stale = ""
+    launch = record.get("launch")
+    if launch != build_command(plan).shell_text():
+        stale = "its launch command differs from this config's (changed model repository, arguments or GPUs)"
+        if not isinstance(launch, str) or not _same_place(launch, plan):
+            return stale + ", on other GPUs or ports"
     if not _tagged(pid, state_dir, iid):
         return f"pid {pid} does not carry this run's environment tag"
     group = _group_processes(pid, state_dir, iid)
@@ -117,7 +126,16 @@ def _instance_mismatch(iid: str, record: Any, plan: InstancePlan | None,
     if ranks != plan.tp:
         return f"half-dead: {ranks} of {plan.tp} tritonserver ranks alive"
     return Adoptable(iid, pid, float(created), str(record.get("started_by") or ""),
-                     frozenset(p.pid for p in group) | {pid})
+                     frozenset(p.pid for p in group) | {pid}, stale)
+
+
+def _same_place(launch: str, plan: InstancePlan) -> bool:
+    """Whether a recorded launch command ran on this plan's GPUs and ports: only such a group
+    can serve on while the others start (it holds nothing another instance needs)."""
+    words = set(launch.split())
+    p = plan.ports
+    return {f"CUDA_VISIBLE_DEVICES={plan.cuda_visible_devices}", f"--http-port={p.http}",
+            f"--grpc-port={p.grpc}", f"--metrics-port={p.metrics}"} <= words
 
 
 def _workers(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[list[AdoptableWorker], list[str]]:

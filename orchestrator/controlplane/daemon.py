@@ -161,6 +161,9 @@ class Daemon:
                      self.state_dir.root, len(self.instances), self.settings.proxy, self.settings.listen)
             supervisors = {i.id: loop.create_task(i.supervise(), name=f"instance-{i.id}")
                            for i in self.instances.values()}
+            stale = {iid for iid, group in self._prior.instances.items() if group.stale}
+            if stale:  # adopted groups launched with another command: replaced one at a time
+                self._reload_task = loop.create_task(self._replace_stale(stale), name="rolling-restart")
             failure = await self._until_stop_or_failure([*supervisors.values(), *background])
             if failure is not None:
                 raise failure
@@ -462,9 +465,18 @@ class Daemon:
         log.info("reload: config generation %d; applied now: %s; at each relaunch: %s",
                  self._shared.generation, ", ".join(now) or "-", ", ".join(at_relaunch) or "-")
 
-    async def _rolling_restart(self, why: str) -> None:
-        log.info("rolling restart (%s): %d instance(s), one at a time", why, len(self.instances))
-        for inst in list(self.instances.values()):
+    async def _replace_stale(self, ids: set[str]) -> None:
+        """Adopted groups that run an older launch command serve until every instance has
+        settled, then are relaunched with this config's one at a time, as a reload would: a
+        changed config never takes every instance out at once."""
+        for inst in self.instances.values():
+            await inst.wait_for(lambda inst=inst: inst.state in (State.READY, State.FAILED))
+        await self._rolling_restart("adopted with an older launch command", only=ids)
+
+    async def _rolling_restart(self, why: str, only: set[str] | None = None) -> None:
+        chosen = [i for i in self.instances.values() if only is None or i.id in only]
+        log.info("rolling restart (%s): %d instance(s), one at a time", why, len(chosen))
+        for inst in chosen:
             if inst.state == State.STOPPED:
                 continue
             before = inst.launches
