@@ -196,11 +196,13 @@ def machine() -> dict[str, Any]:
             "loadavg_at_start": load, "aiohttp": aiohttp.__version__}
 
 
-def write_result(name: str, data: dict[str, Any], plot: Callable[[dict[str, Any], Any], Any] | None = None) -> Path:
-    """bench/results/<name>-<UTC stamp>.json, and with `plot` the same stem as .png."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, data: dict[str, Any], plot: Callable[[dict[str, Any], Any], Any] | None = None,
+                 results: Path | None = None) -> Path:
+    """bench/results/<name>-<UTC stamp>.json (or in `results`), and with `plot` the same stem as .png."""
+    results = results or RESULTS
+    results.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = RESULTS / f"{name}-{stamp}.json"
+    path = results / f"{name}-{stamp}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     if plot is not None:
         png = write_plot(path, data, plot)

@@ -4,6 +4,9 @@ same cells beside them (bench/routing_sim.py: is the simulator faithful?).
 
     .venv/bin/python -m bench.routing_bench --cells s8/room4/uniform/r1,s8/room4/uniform/closed
         [--seconds 20] [--rounds 1] [--targets cost-model,prefix-affinity,least-outstanding,round-robin,nginx]
+        [--out DIR]
+    .venv/bin/python -m bench.routing_bench --merge A.json B.json ... [--out DIR]   # one result of runs
+        made side by side (bench/routing_matrix_device.sh: one process per engine cell)
 
 Setup per engine cell (slots, KV room): ONE daemon, `trtllm-orch up --gpus 0-1 --tp 1
 --assume-gpus 2 --proxy embedded --config FILE --canary-interval-s 0` (an overloaded segment's
@@ -404,16 +407,50 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
+def merge(paths: list[str], out_dir: Path | None) -> int:
+    """Results of the same targets and parameters on other cells (processes run side by side),
+    as one result."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    first = parts[0]
+    for p, part in zip(paths, parts):
+        if part["targets"] != first["targets"] or part["params"] != first["params"]:
+            raise SystemExit(f"{p}: other targets or parameters than {paths[0]}")
+    result: dict[str, Any] = {k: first[k] for k in ("bench", "machine", "params", "targets", "generator")}
+    for key in ("cells", "leaked_pids"):
+        result[key] = [x for part in parts for x in part[key]]
+    for key in ("cell_params", "summary", "segments"):
+        result[key] = {k: v for part in parts for k, v in part[key].items()}
+    result["goals"] = [g for part in parts for g in part["goals"]]
+    result["wall_s"] = max(part["wall_s"] for part in parts)
+    result["merged_from"] = [Path(p).name for p in paths]
+    for name in result["cells"]:
+        rows = [{"target": t, **s, "share": "/".join(f"{x:.2f}" for x in s["share"] if x is not None)}
+                for t, s in result["summary"][name].items()]
+        print(f"\n{name}")
+        print(table(rows, COLS))
+    if result["goals"]:
+        print(table(result["goals"], ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx",
+                                      "tok_s_vs_nginx", "no_worse"]))
+    print("wrote", write_result("routing_bench", result, plot, out_dir))
+    return 1 if result["leaked_pids"] else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cells", required=True, help="comma-separated cell names (routing_cells.py), e.g. "
-                    "s8/room4/uniform/r1")
+    ap.add_argument("--cells", help="comma-separated cell names (routing_cells.py), e.g. s8/room4/uniform/r1")
     ap.add_argument("--targets", default=",".join(rc.TARGETS))
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--drain-s", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator's numbers")
+    ap.add_argument("--out", help="write the result (JSON, PNG) into this directory instead of bench/results")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results of other cells into one")
     a = ap.parse_args()
+    out_dir = Path(a.out) if a.out else None
+    if a.merge:
+        return merge(a.merge, out_dir)
+    if not a.cells:
+        ap.error("--cells or --merge")
     by_name = {c.name: c for c in rc.cells()}
     cells = [by_name[n] for n in a.cells.split(",")]
     targets = a.targets.split(",")
@@ -461,7 +498,7 @@ def main() -> int:
         print(table(result["goals"], ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx",
                                       "tok_s_vs_nginx", "no_worse"]))
     result["wall_s"] = round(time.time() - t_start, 1)
-    path = write_result("routing_bench", result, plot)
+    path = write_result("routing_bench", result, plot, out_dir)
     print(f"wrote {path} (wall {result['wall_s']} s)")
     if leaked:
         print(f"LEAKED processes killed by the harness: {leaked}", file=sys.stderr)

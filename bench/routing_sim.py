@@ -4,6 +4,8 @@
     .venv/bin/python -m bench.routing_sim [--seconds 60] [--shapes 8,64] [--rooms 1.5,4]
         [--workloads uniform,zipf,chat,unique,mixed] [--loads r0,r1,r2,closed]
         [--targets cost-model,prefix-affinity,least-outstanding,round-robin,nginx] [--jobs 2]
+        [--seeds 1,2] [--index shared|local] [--jitter 0.3]
+        [--reuse EARLIER.json [--rerun cost-model]] [--out FILE.json]
 
 Two `demo/twin/engine.py` engines (the code the twin's tritonserver runs: in-flight batching,
 paged KV cache with prefix reuse and LRU eviction, guaranteed_no_evict admission, per-token
@@ -12,34 +14,46 @@ proxy's in-flight counts and engine snapshots every 100 ms (as the engine monito
 them, with the same fields parse_engine_metrics reads: the last iteration's stats, its
 start time and context tokens, the input/output histograms' sums and count); `nginx` is
 least_conn (fewest in flight, ties in turn), `least-outstanding` ties at random. The
-cost model is told each request's observed TTFT, as the proxy tells it.
+cost model is told each request's observed TTFT, as the proxy tells it. The prompt-aware
+policies get the prefix index the data-plane workers share (dataplane/shared_prefix.py, as
+`up --proxy embedded` runs them; `--index local`: a policy's own PrefixIndex, which also
+keeps when each chunk was routed, what the shared one leaves to the policy's journal).
 
 Faithful to: the engine's scheduling, KV accounting and eviction, timing in the twin's model,
 the scrape cadence. Not modelled: CPU (the real twin's iterations stretch when its host is
-busy), network and Triton's own queues, NGINX's per-worker counts. bench/routing_bench.py runs
+busy: `--jitter` puts a lognormal factor on each iteration's time, so the rates are learnt
+from noisy spans), network and Triton's own queues, NGINX's per-worker counts. bench/routing_bench.py runs
 a subset of the same cells on the real twin to check the simulator against it.
 
-Output: a table per cell and bench/results/routing_sim-<stamp>.{json,png} (`--no-write` to skip).
+Output: a table per cell and bench/results/routing_sim-<stamp>.{json,png} (`--no-write` to skip,
+`--out` for the JSON elsewhere; `python -m bench.plot` draws its PNG). Progress on stderr, one
+line per cell and target. `--reuse` takes an earlier run's rows for the targets not in
+`--rerun` (a change to the cost model leaves the baselines as they were).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import inspect
 import itertools
 import json
 import math
 import os
 import random
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from bench import routing_cells as rc
 from bench.common import machine, pct, table, write_result
+from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.balancer import POLICIES
@@ -52,6 +66,7 @@ from twin.engine import Engine, EngineConfig, Sequence  # noqa: E402
 from twin.tokens import decode, encode  # noqa: E402
 
 SCRAPE_S = 0.1
+INDEX_EPOCH_S = 1000.0
 
 
 class NginxLeastConn:
@@ -87,7 +102,10 @@ class StaticPartition:
         return backends[int(m.group(1)) % len(backends)]
 
 
-def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None = None):
+def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None = None, index_dir: str | None = None):
+    """The target's router. With `index_dir`, a policy that takes a prefix index gets the one the
+    data-plane workers share (dataplane/shared_prefix.py, a file there), as `up --proxy embedded`
+    runs it; without, the in-process PrefixIndex of a policy left to itself."""
     if target == "nginx":
         return NginxLeastConn(rng)
     if target == "partition":
@@ -95,20 +113,29 @@ def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None =
     cls = POLICIES[target]
     if target in ("least-outstanding", "round-robin"):
         return cls(rng)
-    return cls(rng, clock=clock, **(policy_kw or {}))
+    kw = dict(policy_kw or {})
+    if index_dir is not None and "index" in inspect.signature(cls).parameters:
+        # Its records count only after the instance's "forgotten" time, 0.0 in a new file: the
+        # index's clock runs INDEX_EPOCH_S ahead of the simulation's, which starts at 0.
+        kw["index"] = SharedPrefixIndex.create(Path(index_dir) / "prefixes", clock=lambda: clock() + INDEX_EPOCH_S)
+    return cls(rng, clock=clock, **kw)
 
 
 def simulate(cell: rc.Cell, target: str, seconds: float, seeds: tuple[int, ...] = (1,),
-             policy_kw: dict | None = None) -> dict[str, Any]:
+             policy_kw: dict | None = None, jitter: float = 0.0, index: str = "shared") -> dict[str, Any]:
     """One target on one cell, once per seed (its own arrivals and prompts); the requests of
-    every seed pooled."""
+    every seed pooled. `index`: "shared" (the data-plane workers' prefix index, as the product
+    runs) or "local" (the policy's own in-process PrefixIndex). `jitter` > 0: each iteration
+    takes its modelled time times a lognormal factor of that sigma (the real twin's iterations
+    on a busy host: sleeps overshoot, the loop's thread waits for a core), so the rates are
+    learnt from noisy spans."""
     recs: list[dict[str, Any]] = []
     reasons: dict[str, int] = {}
     decide_s: list[float] = []
     tokens = 0
     router = None
     for seed in seeds:
-        r, t, why, dec, router = _one_seed(cell, target, seconds, seed, policy_kw)
+        r, t, why, dec, router = _one_seed(cell, target, seconds, seed, policy_kw, jitter, index)
         recs += r
         tokens += t
         for k, v in why.items():
@@ -117,7 +144,18 @@ def simulate(cell: rc.Cell, target: str, seconds: float, seeds: tuple[int, ...] 
     return summarize(cell, target, seconds * len(seeds), recs, tokens, reasons, decide_s, router)
 
 
-def _one_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: dict | None):
+def _one_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: dict | None, jitter: float = 0.0,
+              index: str = "shared"):
+    tmp = tempfile.mkdtemp(prefix="routing-sim-") if index == "shared" else None
+    try:
+        return _simulate_seed(cell, target, seconds, seed, policy_kw, jitter, tmp)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: dict | None, jitter: float,
+                   index_dir: str | None):
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
     cfg = EngineConfig(max_batch_size=cell.slots, max_tokens_in_paged_kv_cache=cell.kv_tokens,
@@ -127,7 +165,7 @@ def _one_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: 
     engines = [Engine(cfg, clock_ns=lambda: int(now[0] * 1e9)) for _ in range(n_inst)]
     views = [EngineView() for _ in range(n_inst)]
     backends = [Backend(str(i), "sim", 1, 2, 3, engine=views[i]) for i in range(n_inst)]
-    router = make_router(target, random.Random(seed), clock, policy_kw)
+    router = make_router(target, random.Random(seed), clock, policy_kw, index_dir)
     hist = [{"finished": 0, "input": 0, "output": 0} for _ in range(n_inst)]
     inflight: dict[str, int] = {}
     busy = [False] * n_inst
@@ -154,10 +192,13 @@ def _one_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: 
             heapq.heappush(heap, (t, next(order), "start", None))
     heapq.heappush(heap, (0.0, next(order), "scrape", None))
 
+    noise = random.Random(f"jitter{seed}")
+
     def step(i: int) -> None:
         it = engines[i].step()
         busy[i] = True
-        heapq.heappush(heap, (now[0] + it.duration_s, next(order), "iteration", (i, it)))
+        duration = it.duration_s * math.exp(noise.gauss(0.0, jitter)) if jitter else it.duration_s
+        heapq.heappush(heap, (now[0] + duration, next(order), "iteration", (i, it)))
 
     def send(session: rc.Session, prompt: str, max_tokens: int) -> None:
         t = now[0]
@@ -271,29 +312,52 @@ def summarize(cell, target, seconds, recs, window_tokens, reasons, decide_s, rou
 
 
 def _run(args: tuple) -> dict[str, Any]:
-    cell, target, seconds, seeds, policy_kw = args
+    cell, target, seconds, seeds, policy_kw, jitter, index = args
     t0 = time.time()
-    r = simulate(cell, target, seconds, seeds, policy_kw)
+    r = simulate(cell, target, seconds, seeds, policy_kw, jitter, index)
     r["wall_s"] = round(time.time() - t0, 1)
     return r
+
+
+class _Inline:
+    """ProcessPoolExecutor's map, in this process (--jobs 1)."""
+
+    def __enter__(self) -> "_Inline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    @staticmethod
+    def map(fn, items):
+        return map(fn, items)
 
 
 def decision_cost(instances: int, decisions: int = 4000) -> dict[str, float]:
     """Microseconds per cost-model decision among `instances` busy instances with learnt rates:
     the whole `choose` (prefix index match and record included) on prebuilt RouteHints of 12
     tenants' ~2150-character prompts, and building those hints (hashing the prompt's chunks, done
-    by the proxy for any prompt-aware policy), separately. Median of 5 repetitions."""
+    by the proxy for any prompt-aware policy), separately. The data-plane workers' shared prefix
+    index, as the product runs. Median of 5 repetitions."""
+    with tempfile.TemporaryDirectory(prefix="routing-sim-") as tmp:
+        return _decision_cost(instances, decisions, Path(tmp))
+
+
+def _decision_cost(instances: int, decisions: int, tmp: Path) -> dict[str, float]:
     now = [1000.0]
     views = [EngineView() for _ in range(instances)]
     backends = [Backend(str(i), "h", 1, 2, 3, engine=views[i]) for i in range(instances)]
-    policy = POLICIES["cost-model"](random.Random(1), clock=lambda: now[0])
+    index = SharedPrefixIndex.create(tmp / "prefixes", clock=lambda: now[0])
+    policy = POLICIES["cost-model"](random.Random(1), clock=lambda: now[0], index=index)
     policy.choose(backends, (), {}, None)
-    for k in range(60):  # busy engines: 5 iterations a scrape, a 2000-token prompt in every other one
+    ts = 0.0
+    for k in range(60):  # busy engines: 5 iterations of 20 ms a scrape, 2000 prompt tokens in every other one
         for i, v in enumerate(views):
             v.update(EngineSnapshot(at=now[0], active=6, max_active=8, scheduled=6, kv_max=256, kv_used=100,
-                                    tokens_per_block=64, iteration=float(5 * k + i), timestamp_us=int(k * 0.15e6),
+                                    tokens_per_block=64, iteration=float(5 * k + i), timestamp_us=int(ts * 1e6),
                                     context_tokens=2000 * (k % 2), finished=3 * k, input_tokens=6300 * k,
                                     output_tokens=60 * k))
+        ts += 0.1 + 0.0001 * 2000 * (k % 2)
         now[0] += 0.1
     prefixes = rc.tenant_prefixes("cost", 12)
     rng = random.Random(2)
@@ -302,7 +366,9 @@ def decision_cost(instances: int, decisions: int = 4000) -> dict[str, float]:
     inflight = {str(i): i % 7 for i in range(instances)}
     for h in hints[:500]:
         policy.choose(backends, (), inflight, h)
-    choose_us, hints_us = [], []
+    # the choice in seconds (not the cold start's batch count) is what is timed
+    assert policy.ratio.source != "prior" and all(policy.book.rates(b.instance_id) for b in backends)
+    choose_us, hints_us, index_us = [], [], []
     for _ in range(5):
         t0 = time.perf_counter()
         for h in hints:
@@ -312,7 +378,13 @@ def decision_cost(instances: int, decisions: int = 4000) -> dict[str, float]:
         for p in prompts:
             RouteHints.from_prompt(p)
         hints_us.append((time.perf_counter() - t0) / len(prompts) * 1e6)
+        t0 = time.perf_counter()
+        for k, h in enumerate(hints):  # the shared index's own part of a choice: one match, one record
+            index.match(h.prompt_keys)
+            index.record(h.prompt_keys, str(k % instances))
+        index_us.append((time.perf_counter() - t0) / len(hints) * 1e6)
     return {"instances": instances, "choose_us": round(statistics.median(choose_us), 1),
+            "index_us": round(statistics.median(index_us), 1),
             "hints_us": round(statistics.median(hints_us), 1), "prompt_chars": len(prompts[0])}
 
 
@@ -365,6 +437,14 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--decision-cost", default="2,4,8,16",
                     help="instance counts to bench the cost-model's decision at ('' to skip)")
+    ap.add_argument("--index", choices=("shared", "local"), default="shared",
+                    help="the prefix index of the prompt-aware policies: the data-plane workers' shared one (as "
+                         "the product runs) or an in-process PrefixIndex")
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="sigma of a lognormal factor on each iteration's time (0: the twin's exact time)")
+    ap.add_argument("--reuse", help="an earlier run's JSON: its rows for the targets not in --rerun are taken "
+                    "as they are (same --seconds and --seeds)")
+    ap.add_argument("--rerun", default="cost-model", help="with --reuse: the targets simulated again")
     ap.add_argument("--out", help="write the JSON here instead of bench/results/routing_sim-<stamp>.json")
     a = ap.parse_args()
     cs = rc.cells(tuple(int(x) for x in a.shapes.split(",")), tuple(float(x) for x in a.rooms.split(",")),
@@ -372,13 +452,29 @@ def main() -> int:
     targets = a.targets.split(",")
     kw = json.loads(a.policy_kw)
     seeds = tuple(int(x) for x in a.seeds.split(","))
-    jobs = [(c, t, a.seconds, seeds, kw if t.startswith("cost-model") else None) for c in cs for t in targets]
+    reuse: dict[tuple[str, str], dict[str, Any]] = {}
+    if a.reuse:
+        # Rows of an earlier run at the same seconds and seeds (the baselines do not change when
+        # the cost model does): only the targets named in --rerun are simulated again.
+        with open(a.reuse) as f:
+            old = json.load(f)
+        if (old.get("seconds"), tuple(old.get("seeds", ())), old.get("jitter", 0.0)) != (a.seconds, seeds, a.jitter):
+            raise SystemExit(f"--reuse {a.reuse}: another --seconds, --seeds or --jitter")
+        rerun = set(a.rerun.split(","))
+        reuse = {(r["cell"], r["target"]): r for r in old["rows"] if r["target"] not in rerun}
+        if old.get("index", "local") != a.index and any(t in POLICIES and "index" in inspect.signature(
+                POLICIES[t]).parameters for _, t in reuse):
+            raise SystemExit(f"--reuse {a.reuse}: another --index, and a reused target takes one (--rerun it)")
+    jobs = [(c, t, a.seconds, seeds, kw if t.startswith("cost-model") else None, a.jitter, a.index) for c in cs
+            for t in targets if (c.name, t) not in reuse]
     t0 = time.time()
-    if a.jobs > 1:
-        with ProcessPoolExecutor(a.jobs) as pool:
-            rows = list(pool.map(_run, jobs))
-    else:
-        rows = [_run(j) for j in jobs]
+    done: dict[tuple[str, str], dict[str, Any]] = {}
+    with ProcessPoolExecutor(a.jobs) if a.jobs > 1 else _Inline() as pool:
+        for k, r in enumerate(pool.map(_run, jobs), 1):
+            done[(r["cell"], r["target"])] = r
+            print(f"[{k}/{len(jobs)} {time.time() - t0:.0f} s] {r['cell']} {r['target']}: TTFT p90 "
+                  f"{r['ttft_p90_ms']} ms, {r['out_tok_s']} tok/s ({r['wall_s']} s)", file=sys.stderr, flush=True)
+    rows = [done.get((c.name, t)) or reuse[(c.name, t)] for c in cs for t in targets]
     cols = ["target", "rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "out_tok_s", "kv_hit_rate", "share",
             "n", "est_err_p50", "decide_us_p50"]
     for c in cs:
@@ -399,16 +495,19 @@ def main() -> int:
         print(f"no worse in {sum(r['no_worse'] for r in v)}/{len(v)} cells")
     costs = [decision_cost(int(n)) for n in a.decision_cost.split(",") if n]
     for c in costs:
-        print(f"cost-model decision among {c['instances']} instances: {c['choose_us']} us "
-              f"(+ {c['hints_us']} us to hash a {c['prompt_chars']}-character prompt's chunks)")
+        print(f"cost-model decision among {c['instances']} instances: {c['choose_us']} us, of which the shared "
+              f"prefix index's match and record {c['index_us']} us (+ {c['hints_us']} us to hash a "
+              f"{c['prompt_chars']}-character prompt's chunks)")
     print(f"wall {time.time() - t0:.0f} s")
+    result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "jitter": a.jitter, "index": a.index,
+              "policy_kw": kw, "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v,
+              "decision_cost": costs, "machine": machine()}
+    if reuse:
+        result["reused"] = {"from": os.path.basename(a.reuse), "targets": sorted({t for _, t in reuse})}
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"rows": rows, "verdicts": v, "decision_cost": costs}, f)
-    if not a.no_write and not a.out:
-        result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "policy_kw": kw,
-                  "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v,
-                  "decision_cost": costs, "machine": machine()}
+            json.dump(result, f)
+    elif not a.no_write:
         print("wrote", write_result("routing_sim", result, plot))
     return 0
 

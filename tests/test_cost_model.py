@@ -67,6 +67,42 @@ def test_fit_recovers_slopes_and_says_none_without_variance():
     assert a == pytest.approx(0.02, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6) and c == pytest.approx(-0.003)
 
 
+def test_fit_answers_once_the_slope_is_told_apart_from_zero():
+    rng = random.Random(2)
+    fit = _Fit3()
+    answers = []
+    for k in range(400):  # iterations of 20 ms +- 30%, a 2000-token prompt in a third of the spans
+        n, x2 = rng.randint(1, 8), rng.choice((0, 0, 2000))
+        fit.add(n, x2, sum(0.02 * math.exp(rng.gauss(0, 0.3)) for _ in range(n)) + 0.0001 * x2, 1.0 / n)
+        answers.append(fit.solve())
+    assert answers[2] is None  # three samples fit three unknowns exactly: no error estimate
+    first = next(k for k, x in enumerate(answers) if x is not None)
+    assert 3 < first < 100
+    assert answers[-1][1] == pytest.approx(0.0001, rel=0.25)
+    flat = _Fit3()  # prompts that cost nothing: never a slope
+    for _ in range(400):
+        n, x2 = rng.randint(1, 8), rng.choice((0, 0, 2000))
+        flat.add(n, x2, sum(0.02 * math.exp(rng.gauss(0, 0.3)) for _ in range(n)), 1.0 / n)
+        assert flat.solve() is None or flat.solve()[1] < 2e-6
+
+
+def test_no_rates_before_the_prefill_slope_is_known():
+    book = RateBook()
+    for k in range(50):  # busy, but no scraped iteration ever had a prompt in it
+        book.observe("0", EngineSnapshot(at=k * 0.1, active=4, max_active=8, kv_max=256, tokens_per_block=64,
+                                         iteration=float(5 * k), timestamp_us=k * 100_000, finished=k))
+    assert book.engines["0"].iter_s == pytest.approx(0.02) and book.rates("0") is None
+
+
+def test_decode_rate_is_right_from_the_first_seconds():
+    """The mean context tokens of the scraped iterations is a ratio of sums from the start: an
+    average started at 0 made decode_s the whole iteration for the first ~100 scrapes."""
+    book = RateBook()
+    for snap in TwinTrace().snapshots(10):
+        book.observe("0", snap)
+    assert book.rates("0").decode_s == pytest.approx(0.02, rel=0.3)  # was 0.039
+
+
 class TwinTrace:
     """Snapshots of an engine whose iterations cost decode_s + prefill_s per context token, scraped
     every 100 ms (the last finished iteration's stats, as TRT-LLM's reporter leaves them)."""

@@ -219,6 +219,29 @@ def test_shared_prefix_index_of_the_workers_serves_the_policy(tmp_path):
     shared.close()
 
 
+def test_with_the_workers_shared_index_an_evicted_prefix_is_not_counted_as_cached(tmp_path):
+    """The shared index answers only who holds a chunk; when it was routed there comes from the
+    journal, so the cache's turnover is modelled as with an in-process index."""
+    clock = Clock()
+    eng = Engines(2, clock)
+    shared = SharedPrefixIndex.create(tmp_path / "prefixes", slots=1 << 12, clock=clock)
+    policy = CostModel(random.Random(1), clock=clock, index=shared)
+    policy.choose(eng.backends, (), {})
+    policy.choose(eng.backends, (), {}, RouteHints.from_prompt("warm-up " * 250))
+    eng.scrape(60)
+    holder = policy.choose(eng.backends, (), {}, hints(4)).instance_id
+    clock.t += 0.01
+    policy.choose(eng.backends, (), {}, hints(4, "soon after"))
+    assert policy.last_reason == HIT and policy.last_decision.cached_tokens > 0
+    for t in range(20, 40):  # the holder's cache (256 blocks) turns over
+        clock.t += 0.01
+        policy.choose([b for b in eng.backends if b.instance_id == holder], (), {}, hints(t))
+    assert dict(shared.match(hints(4).prompt_keys)[1]).get(holder)  # the index still names it
+    policy.choose(eng.backends, (), {}, hints(4, "back again"))
+    assert policy.last_decision.cached_tokens == 0 and policy.last_reason == MISS
+    shared.close()
+
+
 def test_a_replaced_policy_stops_listening():
     policy, eng, clock = learnt()
     before = len(eng.views[0].listeners)

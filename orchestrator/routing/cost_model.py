@@ -17,10 +17,14 @@ snapshots in the same order, so every worker learns the same rates:
                 of the busy spans, T = a * n + prefill_s * c + b, with n the iterations in the
                 span and c the prompt tokens its first iteration had in context phase
                 (`total_context_tokens`, the scraped iteration's own); the span's other
-                iterations are unseen, so a long span weighs less
+                iterations are unseen, so a long span weighs less. No rates at all until that
+                slope is SIGNIFICANCE standard errors above zero: the first spans of a cold
+                start fitted it near zero or at half the truth, and a cached prefix then looked
+                worth little next to a queue
     decode_s    seconds per iteration without prompt tokens, per instance: iter_s less
                 prefill_s times the mean context tokens of the scraped iterations (a scrape sees
-                the last finished iteration: an unbiased sample of them)
+                the last finished iteration: an unbiased sample of them; a ratio of forgotten
+                sums, right from the first scrapes)
 
 The prefill and decode rates are kept on a grid of 1/16 octave, as the token ratio is
 (tokens.py): a worker that learnt a hair differently (it started later) decides alike.
@@ -35,7 +39,8 @@ Estimated time to first token for a request with `uncached` prompt tokens to pre
 `slots` is what runs at once: the batch slots, or while the engine reports requests waiting
 for KV blocks, how many ran at once in such scrapes (it runs what fits). Everything is in the
 engine's units: nothing here was tuned on one engine shape. The constants left are about the
-scrape cadence (FORGET, FORGET_FIT) and a prior for output lengths (PRIOR_OUT_TOKENS).
+scrape cadence (FORGET, FORGET_FIT), a prior for output lengths (PRIOR_OUT_TOKENS) and the
+confidence asked of the prefill fit (SIGNIFICANCE).
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ FORGET_FIT = 0.998
 # histogram: a chat answer's order of magnitude. Only the queueing term uses it.
 PRIOR_OUT_TOKENS = 64.0
 GRID = 16  # steps per octave for learnt rates
+# The prefill slope is used once it is this many standard errors above zero (about 95% one-sided):
+# a slope fitted from the first few noisy spans can come out near zero (a cached prefix would
+# then look worthless and the first seconds' tenants be split for good) or several times too
+# high. Statistics, not a property of an engine: with exact spans (the simulator) it is met at
+# the first spans with a prompt in them.
+SIGNIFICANCE = 2.0
 
 
 def on_grid(x: float) -> float:
@@ -64,17 +75,18 @@ def on_grid(x: float) -> float:
 
 
 class _Fit3:
-    """Weighted least squares of y = a*x1 + b*x2 + c with exponential forgetting."""
+    """Weighted least squares of y = a*x1 + b*x2 + c with exponential forgetting; `solve`
+    answers only once b is told apart from zero (SIGNIFICANCE standard errors)."""
 
     __slots__ = ("s",)
 
     def __init__(self) -> None:
-        # sums of w, w*x1, w*x2, w*x1^2, w*x1*x2, w*x2^2, w*y, w*x1*y, w*x2*y
-        self.s = [0.0] * 9
+        # sums of w, w*x1, w*x2, w*x1^2, w*x1*x2, w*x2^2, w*y, w*x1*y, w*x2*y, w*y^2, w^2
+        self.s = [0.0] * 11
 
     def add(self, x1: float, x2: float, y: float, w: float) -> None:
         s = self.s
-        for i in range(9):
+        for i in range(11):
             s[i] *= FORGET_FIT
         s[0] += w
         s[1] += w * x1
@@ -85,10 +97,13 @@ class _Fit3:
         s[6] += w * y
         s[7] += w * x1 * y
         s[8] += w * x2 * y
+        s[9] += w * y * y
+        s[10] += w * w
 
     def solve(self) -> tuple[float, float, float] | None:
-        """(a, b, c), or None while x2 has not varied enough to tell its slope."""
-        w, s1, s2, s11, s12, s22, sy, s1y, s2y = self.s
+        """(a, b, c), or None while x2 has not varied enough to tell its slope, or the samples
+        are too few or too noisy to tell it from zero."""
+        w, s1, s2, s11, s12, s22, sy, s1y, s2y, syy, sww = self.s
         if w <= 0:
             return None
         # Centred on the weighted means: a 2x2 system for (a, b), then c.
@@ -105,6 +120,19 @@ class _Fit3:
             return None
         a = (c1y * v22 - c2y * v12) / det
         b = (c2y * v11 - c1y * v12) / det
+        # The slope's standard error: residual variance (weighted mean square) over the
+        # effective number of samples less the 3 fitted (Kish's n = w^2 / sum w^2 under the
+        # forgetting), times x2's share of the design's inverse.
+        dof = (w * w / sww if sww > 0 else 0.0) - 3.0
+        if dof < 1.0 or b <= 0:
+            return None
+        resid = max(0.0, syy / w - my * my - a * c1y - b * c2y)
+        # SIGNIFICANCE as Student's t for so few degrees of freedom (Cornish-Fisher, within 2% of
+        # the table from 2 on; 3 samples fit 3 unknowns exactly and say nothing of the error)
+        z = SIGNIFICANCE
+        t = z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof * dof)
+        if b * b * det * dof < t * t * resid * v11:
+            return None
         return a, b, my - a * m1 - b * m2
 
 
@@ -120,7 +148,7 @@ class EngineRates:
     """One instance: its shape, iteration time, output length and KV writes (module doc)."""
 
     __slots__ = ("last", "slots", "kv_blocks", "block_tokens", "_span_s", "_span_n", "_out", "_fin",
-                 "iter_s", "out_tokens", "_fits_n", "_fits_w", "ctx_tokens")
+                 "iter_s", "out_tokens", "_fits_n", "_fits_w", "ctx_tokens", "_ctx", "_busy")
 
     def __init__(self) -> None:
         self.last: EngineSnapshot | None = None
@@ -133,6 +161,8 @@ class EngineRates:
         self._fin = 0.0
         self.iter_s: float | None = None
         self.ctx_tokens = 0.0  # prompt tokens an iteration computes, on average while busy
+        self._ctx = 0.0  # forgotten sums of the scraped busy iterations' context tokens, and of them
+        self._busy = 0.0
         self.out_tokens = PRIOR_OUT_TOKENS
         # How many requests run at once while some wait for KV blocks (forgotten sums): the
         # batch a KV-bound engine really has.
@@ -173,8 +203,12 @@ class EngineRates:
         # freeze while it idles, and the scrape before an idle gap shows active 0).
         if n > 0 and span > 0 and prev.active > 0 and snap.active > 0 and prev.timestamp_us > 0:
             sample = (n, float(prev.context_tokens), span)
-            # The scraped iterations are a sample of all: their mean is the mean.
-            self.ctx_tokens += (prev.context_tokens - self.ctx_tokens) * (1.0 - FORGET)
+            # The scraped iterations are a sample of all: their mean is the mean (a ratio of
+            # forgotten sums, as iter_s: an average started at 0 took ~100 scrapes to forget its
+            # start, and decode_s was the whole iteration meanwhile).
+            self._ctx = self._ctx * FORGET + prev.context_tokens
+            self._busy = self._busy * FORGET + 1.0
+            self.ctx_tokens = self._ctx / self._busy
             self._span_s = self._span_s * FORGET + span
             self._span_n = self._span_n * FORGET + n
             self.iter_s = self._span_s / self._span_n
@@ -238,9 +272,9 @@ class RateBook:
         return moved
 
     def _refresh(self, iid: str, er: EngineRates) -> None:
-        if er.iter_s is None:
-            return
-        prefill_s = self._shape_rates.get(er.shape, 0.0)
+        prefill_s = self._shape_rates.get(er.shape)
+        if er.iter_s is None or prefill_s is None:
+            return  # no seconds before the prefill slope is known (SIGNIFICANCE)
         # An iteration is decode_s plus prefill_s per prompt token it computes: what is left of
         # the instance's mean iteration once its mean prompt tokens are taken out.
         decode_s = on_grid(max(er.iter_s - prefill_s * er.ctx_tokens, 0.1 * er.iter_s))

@@ -6,13 +6,29 @@ worker plus what its engine holds that we did not send, beyond what runs at once
 freeing its slot after `out_tokens` iterations), plus the prefill of this prompt's tokens not
 likely cached there and of the prompt tokens routed there before it and not prefilled yet,
 plus one iteration. To that it adds what the choice costs the others: the prompt tokens it
-computes there beyond what the best-cached instance would compute (engine time spent for
-nothing) delay every request there by their prefill time. The lowest total wins.
+computes there beyond what the best-cached instance would compute are engine time spent for
+nothing (counted once), and every request there still waiting for a batch slot gets its first
+token that much later (counted for each). The requests running there lose an iteration's
+worth of time too, but their first token is out: counting them (as a first cut did) made a
+spill cost a whole batch's delay, so on 64-slot engines a hot tenant stayed on its holder
+until the queue there outweighed that. routing_sim, 80 cells x 2 seeds x 60 s: s64/room1.5/
+zipf/r2 TTFT p90 1807 -> 207 ms (least-outstanding 242), s64/room1.5/uniform/r2 1820 -> 332
+(310), s64/room4/uniform/closed 745 -> 356; the 8-slot shared-prefix cells 10-100% slower but
+still 0.02-0.5x least_conn; cells worse than the best of least-outstanding and nginx by > 3%:
+14 -> 12 (bench/results/routing_sim-20261125T*.json and bench/README.md). The lowest total
+wins.
 
 - Cached tokens: the prefix index's matched chunks, in tokens (tokens.py), less what the
   instance's cache has likely evicted since: the blocks routed there after the prefix
   (journal.py's WriteLog) push it out once the free pool's older blocks are gone, unless the
-  request that carried it still runs (cost_model.cached_blocks).
+  request that carried it still runs (cost_model.cached_blocks). Since when: the index's own
+  times where it keeps them (an in-process PrefixIndex), else the journal's (the data-plane
+  workers' shared index knows only who holds a chunk: without the journal's times every
+  prefix it ever named counted as cached, and on caches that hold few prefixes the model
+  kept sending tenants to copies long evicted; routing_sim s8/room4/uniform/r1 with the
+  shared index: TTFT p90 12.6 s and 1.0 s, KV hit 0.68 and 0.83 over two seeds, against 0.52
+  and 0.33 s, 0.92 with the journal's times; the real twin's run 20261125T045811Z, before
+  this, 1266 ms and 0.88).
 - Rates come from the engines' own scrapes (cost_model.RateBook), so the trade between a
   cached prefix and a queue is made in the engine's units whatever its shape: a multi-turn chat
   stays where its history is cached while the prefill it saves there outweighs the queue in
@@ -20,8 +36,9 @@ nothing) delay every request there by their prefill time. The lowest total wins.
 - Near-equal totals (within one decode iteration: below what the estimate tells apart) go to
   the fewest requests, then by rendezvous hashing of the prompt's head with the instance id:
   every data-plane worker picks alike, and a new prefix lands on one instance.
-- Until every candidate has rates (an instance borrows those of a busy one of its shape) and
-  the token ratio is calibrated (the first second or so), the cost is the batches queued
+- Until every candidate has rates (an instance borrows those of a busy one of its shape; the
+  prefill rate needs a significant fit, cost_model.SIGNIFICANCE) and the token ratio is
+  calibrated (the first seconds), the cost is the batches queued
   there less one where the prompt's prefix is cached: a holder keeps its prefix until its
   queue is a batch longer than the shortest (a cold start's misses pile requests up, and a
   prefix split there stays split). With a stale
@@ -208,6 +225,8 @@ class CostModel:
         if hints is not None:
             if hints.prompt_keys:
                 self.index.record(hints.prompt_keys, iid)
+                if self._recency is None:  # the index keeps no times: the journal does
+                    inst.log.touch(hints.prompt_keys, now)
             self.ratio.prompt(hints.prompt_chars, hints.text)
         if inst.block:
             inst.log.add(now, (tokens - cached) / inst.block, 2.0 * (inst.kv_blocks or 1))
@@ -246,8 +265,12 @@ class CostModel:
         if keys:
             if self._recency is not None:
                 depth = self._recency(keys)[1]
-            else:  # an index that keeps no times: what it holds counts as cached
-                depth = {iid: (d, None) for iid, d in self.index.match(keys)[1].items()}
+            else:  # an index that keeps no times (the workers' shared one): the journal's
+                depth = {}
+                for iid, d in self.index.match(keys)[1].items():
+                    inst = insts.get(iid)
+                    # None (another worker routed it): what the index holds counts as cached
+                    depth[iid] = (d, inst.log.last(keys[d - 1]) if inst is not None else None)
             for iid, (d, last) in depth.items():
                 inst = insts.get(iid)
                 if inst is None or not inst.block:
@@ -278,8 +301,8 @@ class CostModel:
                 slots = inst.slots
                 if n >= slots:
                     cost += (n - slots + 1) * inst.wait_unit
-                if uncached > least:  # engine time for nothing, and all n there wait for it
-                    cost += p * (uncached - least) * n
+                if uncached > least:  # engine time for nothing, and what waits for a slot there waits for it
+                    cost += p * (uncached - least) * (n - slots + 1 if n >= slots else 1)
                 costs.append(cost)
                 ns.append(n)
                 if cost < low:

@@ -1,8 +1,12 @@
 """What the routing side knows that the engines do not report yet, per instance: the prompt
-blocks routed there to be computed, in the order the engine will compute them (`WriteLog`:
-what pushes an earlier prefix out of its cache), and the prompt tokens routed there whose
-prefill has not happened yet (`Pending`); and the lengths of the prompts routed (for the
-token ratio, tokens.py). Pure logic.
+blocks routed there to be computed, in the order the engine will compute them, and when each
+prompt chunk was last routed there (`WriteLog`: what pushes an earlier prefix out of its cache,
+and since when), and the prompt tokens routed there whose prefill has not happened yet
+(`Pending`); and the lengths of the prompts routed (for the token ratio, tokens.py). Pure logic.
+
+When each chunk was last routed somewhere is also what an in-process PrefixIndex keeps
+(`match_recency`); the data plane's shared index (dataplane/shared_prefix.py) answers only who
+holds a chunk, so the policy looks the times up here.
 
 The cost-model policy reads and writes one `Journal`. In one process that is everything
 routed; with several data-plane workers each worker's journal holds its own routings only,
@@ -15,8 +19,9 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
-from collections import deque
+from collections import OrderedDict, deque
 
+from orchestrator.routing.prefix_index import DEFAULT_MAX_CHUNKS
 from orchestrator.routing.tokens import PromptStats
 
 
@@ -25,7 +30,7 @@ class WriteLog:
     need computed there. The engine serves in arrival order, so what was routed after a prefix
     is what runs between that prefix's request and the next one (module doc: cached_blocks)."""
 
-    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests")
+    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests", "_seen")
 
     def __init__(self) -> None:
         self.blocks = 0.0
@@ -33,6 +38,22 @@ class WriteLog:
         self._at: deque[float] = deque()
         self._blocks: deque[float] = deque()
         self._requests: deque[int] = deque()
+        # chunk key -> when it was last routed here; as many keys as a PrefixIndex holds
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+
+    def touch(self, keys: list[bytes], at: float) -> None:
+        """A prompt of these chunk keys was routed here at `at`."""
+        seen = self._seen
+        for key in keys:
+            if key in seen:
+                seen.move_to_end(key)
+            seen[key] = at
+        while len(seen) > DEFAULT_MAX_CHUNKS:
+            seen.popitem(last=False)
+
+    def last(self, key: bytes) -> float | None:
+        """When the chunk `key` was last routed here (None: not by us, or too long ago)."""
+        return self._seen.get(key)
 
     def add(self, at: float, blocks: float, horizon: float) -> None:
         self.blocks += blocks
