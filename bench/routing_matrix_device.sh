@@ -5,6 +5,8 @@
 # round-robin, nginx least_conn), merged into one result.
 #
 #   bench/routing_matrix_device.sh OUTDIR [SECONDS]      (SECONDS per target visit, default 20)
+#   CELLS='s8/room4/uniform/r1;s64/room4/unique/r2' bench/routing_matrix_device.sh OUTDIR 5
+#       (other cells: one process per ';'-separated group; a group's cells share an engine cell)
 #
 # Needs, carried from the CPU machine (both ignored by git, under .carry/):
 #   .carry/payload     scripts/pack-gpu-payload .carry/payload   (tritonserver + wheels, ~30 MB)
@@ -31,9 +33,10 @@ trap 'rm -rf "$work"' EXIT
 
 {
   echo "== $(date -u +%FT%TZ) $(nproc) cores, $($py --version 2>&1)"
-  "$py" scripts/unpack-gpu-payload .carry/payload --python "$py"
+  # (where nothing is carried, as on the CPU machine: the .triton and nginx already there)
+  if [ -d .carry/payload ]; then "$py" scripts/unpack-gpu-payload .carry/payload --python "$py"; fi
 } >>"$log" 2>&1
-export PATH="$PWD/.carry/relay-kit/bin:$PATH"
+if [ -d .carry/relay-kit ]; then export PATH="$PWD/.carry/relay-kit/bin:$PATH"; fi
 command -v nginx >>"$log"
 
 # Per engine cell: one shared-prefix cell where a split of the tenants costs most, and one
@@ -44,6 +47,7 @@ groups=(
   "s64/room1.5/zipf/r2,s64/room1.5/uniform/r1"
   "s64/room4/uniform/closed,s64/room4/unique/r2"
 )
+if [ -n "${CELLS:-}" ]; then IFS=';' read -r -a groups <<<"$CELLS"; fi
 pids=()
 for i in "${!groups[@]}"; do
   mkdir -p "$work/part$i"
