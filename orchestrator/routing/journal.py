@@ -2,7 +2,8 @@
 blocks routed there to be computed, in the order the engine will compute them, and when each
 prompt chunk was last routed there (`WriteLog`: what pushes an earlier prefix out of its cache,
 and since when), and the prompt tokens routed there whose prefill has not happened yet
-(`Pending`); and the lengths of the prompts routed (for the token ratio, tokens.py). Pure logic.
+(`Pending`); the lengths of the prompts routed (for the token ratio, tokens.py) and how far the
+estimates missed (`ErrorMeter`: near-equal costs are ties). Pure logic.
 
 When each chunk was last routed somewhere is also what an in-process PrefixIndex keeps
 (`match_recency`); the data plane's shared index (dataplane/shared_prefix.py) answers only who
@@ -21,6 +22,7 @@ import math
 from bisect import bisect_right
 from collections import OrderedDict, deque
 
+from orchestrator.routing.cost_model import FORGET, on_grid
 from orchestrator.routing.prefix_index import DEFAULT_MAX_CHUNKS
 from orchestrator.routing.tokens import PromptStats
 
@@ -115,9 +117,28 @@ class Pending:
             ledger.total = max(0.0, ledger.total - tokens)
 
 
+class ErrorMeter:
+    """How far the cost model's TTFT estimates miss, in seconds: the mean absolute error of the
+    last ~100 first tokens (forgotten sums), on the rates' grid. Costs closer than that are not
+    told apart (cost_policy)."""
+
+    __slots__ = ("_sum", "_n", "value")
+
+    def __init__(self) -> None:
+        self._sum = 0.0
+        self._n = 0.0
+        self.value = 0.0
+
+    def add(self, error: float) -> None:
+        self._sum = self._sum * FORGET + abs(error)
+        self._n = self._n * FORGET + 1.0
+        self.value = on_grid(self._sum / self._n)
+
+
 class Journal:
     def __init__(self) -> None:
         self.prompts = PromptStats()
+        self.errors = ErrorMeter()
         self._logs: dict[str, WriteLog] = {}
         self._pending: dict[str, Pending] = {}
 
