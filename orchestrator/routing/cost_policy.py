@@ -35,14 +35,15 @@ total wins.
   front of it, and moves when it does not.
 - Near-equal totals (within one decode iteration, or where a cached prefix is at stake within
   the estimates' own mean absolute error of late, journal.ErrorMeter, where that is larger:
-  below what the estimate tells apart) go to the instance holding the most of the prompt, then the fewest requests, then by
-  rendezvous hashing of the prompt's head with the instance id: every data-plane worker picks
-  alike, and a new prefix lands on one instance. Before, near-equals went to the fewest
-  requests, and a queue's noise split tenants: routing_sim with iterations +-30% (--jitter
-  0.3; the real twin's are noisier than its model), s8/room4/uniform/r1 TTFT p90 1740 -> 801 ms,
-  s8/room4/zipf/r1 633 -> 355; without noise, 24 shared-prefix cells x 2 seeds: geometric mean
-  0.90 x (s8/room4/uniform/r1 663 -> 360, s64/room4/zipf/r2 827 -> 555; s8/room1.5/zipf/r2
-  5085 -> 7416 the worst). All 80 cells, the tolerance only with a cache at stake: 0.98 x
+  below what the estimate tells apart) go to the instance holding the most of the prompt, then
+  the fewest requests, then by rendezvous hashing of the prompt's head with the instance id:
+  every data-plane worker picks alike, and a new prefix lands on one instance. Before,
+  near-equals went to the fewest requests, and a queue's noise split tenants: routing_sim with
+  iterations +-30% (--jitter 0.3; the real twin's are noisier than its model),
+  s8/room4/uniform/r1 TTFT p90 1740 -> 801 ms, s8/room4/zipf/r1 633 -> 355; without noise, 24
+  shared-prefix cells x 2 seeds: geometric mean 0.90 x (s8/room4/uniform/r1 663 -> 360,
+  s64/room4/zipf/r2 827 -> 555; s8/room1.5/zipf/r2 5085 -> 7416 the worst). All 80 cells, the
+  tolerance only with a cache at stake: 0.98 x
   (bench/results/routing_sim-20261125T074003Z.json).
 - Until every candidate has rates (an instance borrows those of a busy one of its shape; the
   prefill rate needs a significant fit, cost_model.SIGNIFICANCE) and the token ratio is
