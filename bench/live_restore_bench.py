@@ -85,22 +85,18 @@ def _fault(case: str, run: Run) -> float:
 
 def _back(case: str, run: Run, old_daemon: int, engines: dict[str, int], timeout: float = 120) -> dict[str, Any]:
     """Wait for the case's end state; what status said on the way."""
-    deadline = time.monotonic() + timeout
-    fewest_ready = len(engines)
-    while time.monotonic() < deadline:
-        try:
-            st = run.status()
-        except AssertionError:  # the new daemon's socket is not up yet
-            time.sleep(0.05)
-            continue
+    ready_seen: list[int] = []
+
+    def back(st: dict[str, Any]) -> bool:
+        if st["daemon"]["pid"] == old_daemon:
+            return False
         ready = sum(i["state"] == "READY" for i in st["instances"])
-        if st["daemon"]["pid"] != old_daemon:
-            fewest_ready = min(fewest_ready, ready)
+        ready_seen.append(ready)
         replaced = not set(_engines(st).values()) & set(engines.values())
-        if st["daemon"]["pid"] != old_daemon and ready == len(engines) and (case != "changed" or replaced):
-            return {"status": st, "fewest_ready": fewest_ready}
-        time.sleep(0.05)
-    raise AssertionError(f"{case}: not back within {timeout}s: {run.status()}")
+        return ready == len(engines) and (case != "changed" or replaced)
+
+    st = run.wait_for(back, timeout, f"{case}: every instance READY under the new daemon")
+    return {"status": st, "fewest_ready": min(ready_seen, default=len(engines))}
 
 
 async def _case(case: str, instances: int, concurrency: int) -> dict[str, Any]:
