@@ -5,10 +5,11 @@ ranks under mpirun, the twin) and data-plane workers. Under load:
   kill -9 of the daemon's main pid      Restart= starts the next daemon, which adopts;
   the daemon SIGSTOPped past WatchdogSec systemd kills it alone (KillMode=process), restarts
                                         it, and it adopts;
-  systemctl kill -s USR2                the daemon detaches (exit 75), Restart= starts it, it adopts.
+  systemctl kill -s USR2                the daemon detaches (exit 75), Restart= starts it, it adopts;
+  systemctl restart                     the daemon sees its unit's restart job and detaches, the
+                                        job's start adopts (and `systemctl stop` stops all).
 
-In each: 0 failed requests, the same engine pids. `systemctl restart` stops the engines by
-design (docs/live-restore.md) and is not tried here.
+In each: 0 failed requests, the same engine pids.
 
 The namespace is made safe first: systemd's boot wiped the shared /tmp on a first try
 (systemd-tmpfiles' "D /tmp" in sysinit.target). So /run, /tmp, /var/log/journal and the
@@ -57,7 +58,13 @@ BOOT = """#!/bin/sh
 set -e
 mount --make-rprivate /
 mount -t tmpfs -o mode=755 tmpfs /run
+# What the service runs from and lives under /tmp (a clone checked there): kept visible
+# through the private /tmp by a bind mount parked in the private /run meanwhile.
+i=0
+for keep in {keep}; do mkdir -p /run/keep$i && mount --bind "$keep" /run/keep$i; i=$((i+1)); done
 mount -t tmpfs -o mode=1777 tmpfs /tmp
+i=0
+for keep in {keep}; do mkdir -p "$keep" && mount --bind /run/keep$i "$keep"; i=$((i+1)); done
 mount -t tmpfs -o mode=755 tmpfs /etc/systemd/system
 if [ -d /var/log/journal ]; then mount -t tmpfs -o mode=755 tmpfs /var/log/journal; fi
 for u in {masked}; do ln -s /dev/null /etc/systemd/system/$u; done
@@ -73,7 +80,9 @@ class Namespace:
     def __init__(self, work: Path) -> None:
         self.work = work
         boot = work / "boot.sh"
-        boot.write_text(BOOT.format(masked=" ".join(MASKED), systemd=SYSTEMD))
+        keep = sorted({str(p) for p in (REPO, Path(sys.prefix)) if Path("/tmp") in p.resolve().parents})
+        boot.write_text(BOOT.format(masked=" ".join(MASKED), systemd=SYSTEMD,
+                                    keep=" ".join(f"'{k}'" for k in keep)))
         boot.chmod(0o755)
         self.unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--uts", "--mount-proc", str(boot)],
                                         stdout=open(work / "boot.log", "wb"), stderr=subprocess.STDOUT,
