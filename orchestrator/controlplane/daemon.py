@@ -39,6 +39,7 @@ from orchestrator.controlplane.adoption import Prior, find_prior
 from orchestrator.controlplane.reaper import sweep_leftovers
 from orchestrator.controlplane.states import State
 from orchestrator.controlplane.statedir import StateDir, StateWriter
+from orchestrator.tasks import cancel_and_wait
 
 log = logging.getLogger("trtllm-orch")
 
@@ -176,7 +177,7 @@ class Daemon:
                 self._notifier.status(f"stopping: {self._stop_reason}")
             # Endpoint first: no new requests reach instances that are about to go.
             await self._stop_proxies()
-            await self._cancel(self._reload_task)
+            await cancel_and_wait(self._reload_task)
             for inst in self.instances.values():
                 inst.request_stop()
             # supervise() returns once its group is gone.
@@ -185,14 +186,13 @@ class Daemon:
             log.error("daemon error: %s", exc, exc_info=exc)
             exit_code = 1
             await self._stop_proxies()
-            await self._cancel(self._reload_task)
+            await cancel_and_wait(self._reload_task)
             for iid, task in supervisors.items():
-                await self._cancel(task)
+                await cancel_and_wait(task)
                 await self.instances[iid].stop_now()
         finally:
             self._stop.set()
-            for task in [*background, *self._signal_tasks]:
-                await self._cancel(task)
+            await cancel_and_wait(*background, *self._signal_tasks)
             await control.stop()
             await session.close()
             watcher.close()
@@ -216,14 +216,6 @@ class Daemon:
                     return RuntimeError(f"task {task.get_name()} ended before the daemon stopped")
         return None
 
-    @staticmethod
-    async def _cancel(task: asyncio.Task | None) -> None:
-        if task is None or task.done():
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-
     def request_stop(self, reason: str) -> None:
         if not self._stop.is_set():
             self._stop_reason = reason
@@ -243,9 +235,9 @@ class Daemon:
         if self._notifier is not None:
             self._notifier.stopping()
             self._notifier.status(f"detached: {self._stop_reason}")
-        await self._cancel(self._reload_task)
+        await cancel_and_wait(self._reload_task)
         for task in supervisors.values():
-            await self._cancel(task)  # the supervisor goes, its group runs on
+            await cancel_and_wait(task)  # the supervisor goes, its group runs on
         for proxy in self.proxies:
             detach = getattr(proxy, "detach", None)
             await (detach() if detach is not None else proxy.stop(5.0))

@@ -36,6 +36,7 @@ from orchestrator.plan import InstancePlan
 from orchestrator.routing.backends import Backend
 from orchestrator.controlplane.states import SERVING_STATES, State, check_transition
 from orchestrator.controlplane.statedir import StateDir
+from orchestrator.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from orchestrator.controlplane.adoption import Adoptable
@@ -390,14 +391,7 @@ class Instance:
 
     async def _stop_engine_monitor(self) -> None:
         task, self._engine_monitor = self._engine_monitor, None
-        # Cancel until it is done: a cancel that lands as a scrape's own timeout fires is
-        # turned into that TimeoutError by aiohttp and lost, and the monitor went on (a
-        # SIGSTOPped group hung in STOPPING for good under a loaded CI run).
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.5)
-        if task is not None and not task.cancelled():
-            task.exception()  # retrieved: a monitor's error is not the teardown's concern
+        await cancel_and_wait(task)  # its error is not the teardown's concern
         self.engine.clear()
 
     # --- serving ------------------------------------------------------------------------
@@ -464,9 +458,7 @@ class Instance:
             waker.cancel()
         if task in done:
             return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await cancel_and_wait(task)
         return None
 
     # --- the daemon's own end -----------------------------------------------------------

@@ -150,9 +150,13 @@ class StateWriter:
             try:
                 await asyncio.shield(write)
             except asyncio.CancelledError:
-                # Let the thread finish, so no write lands after the daemon cleared the file.
-                with contextlib.suppress(Exception):
-                    await write
+                # Let the thread finish, so no write lands after the daemon cleared the file;
+                # through the owner's repeated cancels too (tasks.cancel_and_wait).
+                while not write.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait({write})
+                if not write.cancelled():
+                    write.exception()  # retrieved: the stop goes on either way
                 raise
             except OSError as exc:
                 log.error("cannot write %s: %s", self._sd.state_path, exc)

@@ -51,6 +51,7 @@ from orchestrator.errors import OrchError
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
 from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.tasks import cancel_and_wait
 
 START_TIMEOUT_S = 30.0
 HANDOVER_TIMEOUT_S = 5.0  # a worker's feed client retries every <= 0.5 s
@@ -235,12 +236,7 @@ class WorkerPool:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
-        if self._handover is not None:
-            self._handover.cancel()
-            await asyncio.gather(self._handover, return_exceptions=True)
-        if self._resize_task is not None:
-            self._resize_task.cancel()
-            await asyncio.gather(self._resize_task, return_exceptions=True)
+        await cancel_and_wait(self._handover, self._resize_task)
         await self._retire(list(self._slots.values()), grace_s)
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -263,10 +259,7 @@ class WorkerPool:
         """Leave the workers serving for the next daemon (live restore): close only what is
         this daemon's (the feed, its copies of the sockets, its view of the table)."""
         self._stopping = True
-        for task in [self._handover, self._resize_task, *(s.task for s in self._slots.values())]:
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(self._handover, self._resize_task, *(s.task for s in self._slots.values()))
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -383,9 +376,7 @@ class WorkerPool:
                         proc.kill()
             await asyncio.gather(*(p.wait() for p in procs), return_exceptions=True)
         for slot in slots:
-            if slot.task is not None:
-                slot.task.cancel()
-                await asyncio.gather(slot.task, return_exceptions=True)
+            await cancel_and_wait(slot.task)
             self._slots.pop(slot.index, None)
 
     # --- reload ------------------------------------------------------------------------------

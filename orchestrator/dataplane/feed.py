@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from orchestrator.tasks import cancel_and_wait
+
 Message = dict[str, Any]
 # A worker that stops reading (stopped, wedged) must not grow the daemon's memory:
 # past this much unsent data its connection is closed; it gets everything anew when
@@ -75,10 +77,7 @@ class FeedServer:
             self._server = None
         for writer in list(self._writers.values()):
             writer.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 

@@ -44,6 +44,7 @@ from orchestrator.dataplane.openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEX
 from orchestrator.dataplane.openai_model import ModelFacts, load_model_facts
 from orchestrator.routing.surface import (METHOD_NOT_ALLOWED, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_MODEL, OPENAI_MODELS,
                       Route)
+from orchestrator.tasks import cancel_and_wait
 
 _JSON = "application/json"
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
@@ -138,9 +139,7 @@ class OpenAIFrontend:
 
     async def stop(self) -> None:
         task, self._reload_task = self._reload_task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
     async def _reload_loop(self) -> None:
         while self._reload_wanted:

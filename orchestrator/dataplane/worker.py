@@ -47,6 +47,7 @@ from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_table import GlobalInflight, SharedTable, WorkerCounts
 from orchestrator.routing.backends import ReadyBackends
 from orchestrator.routing.balancer import SharedRouting
+from orchestrator.tasks import cancel_and_wait
 
 HEARTBEAT_S = 0.25
 STATS_S = 1.0
@@ -128,9 +129,7 @@ class Worker:
         finally:
             if self._away_task is not None:
                 tasks.append(self._away_task)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
             table.clear_worker(self.slot)
         return 0
 

@@ -18,6 +18,8 @@ from typing import Callable
 
 import aiohttp
 
+from orchestrator.tasks import cancel_and_wait
+
 # Enough of an error body to name the problem in a log line, not a whole page.
 _DETAIL_CHARS = 160
 
@@ -118,9 +120,7 @@ async def wait_until_ready(session: aiohttp.ClientSession, base_url: str, model:
                     break
         finally:
             # Our own cancellation must not leave the probe running unowned.
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         if task.cancelled():
             continue  # the loop top reports the death
         last = task.result()

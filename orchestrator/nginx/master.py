@@ -40,6 +40,7 @@ from typing import Any
 from orchestrator.errors import OrchError
 from orchestrator.health.restart_policy import RestartPolicy
 from orchestrator.launcher.logfile import shift_out_if_over
+from orchestrator.tasks import cancel_and_wait
 
 START_WAIT_S = 10.0  # until the new master runs a worker
 RELOAD_WAIT_S = 10.0
@@ -201,8 +202,7 @@ class NginxMaster:
         if self.state != STOPPED:
             self._set_state(STOPPING, "stop requested")
         if self._watch_task is not None:
-            self._watch_task.cancel()
-            await asyncio.gather(self._watch_task, return_exceptions=True)
+            await cancel_and_wait(self._watch_task)
             self._watch_task = None
         # Ours first: once nginx's workers close theirs, new connections are refused.
         self._close_listeners()

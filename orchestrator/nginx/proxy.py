@@ -40,6 +40,7 @@ from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.dataplane.metrics import MetricsServer, NginxMetrics, ProxyMetrics
 from orchestrator.nginx.master import RUNNING, NginxMaster, open_listener
 from orchestrator.routing.surface import admin_regexes
+from orchestrator.tasks import cancel_and_wait
 
 TEMPLATE = "nginx.conf.j2"
 CONF_NAME = "nginx.conf"
@@ -281,8 +282,7 @@ class NginxProxy:
         for attr in ("_reload_task", "_ready_task"):
             task = getattr(self, attr)
             if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await cancel_and_wait(task)
                 setattr(self, attr, None)
         if self._master is not None:
             await self._master.stop(grace_s)

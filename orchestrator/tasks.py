@@ -1,0 +1,32 @@
+"""Stopping an asyncio task we own: the one rule every owner uses.
+
+A single `task.cancel()` then `await task` can wait forever on Python 3.11: a cancel that
+lands in the same loop iteration as the thing it interrupts finishing is lost
+(`asyncio.wait_for` returns the finished result instead of raising, aiohttp turns it into
+its own timeout), and a loop like "poll, sleep, poll" simply goes on. Seen twice under a
+loaded CI run: a SIGSTOPped group hung in STOPPING (its engine monitor went on scraping),
+and `down` waited 180 s for a daemon whose Slurm node poller went on polling.
+
+So we cancel again until the task is done, then retrieve its outcome: a task's error at
+its own stop is not its owner's concern, and must not be logged as never retrieved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+RECANCEL_S = 0.5  # how long one cancel gets before the next; a task that honours it ends at once
+
+
+async def cancel_and_wait(*tasks: Optional[asyncio.Future]) -> None:
+    """Cancel each task (None and finished ones are skipped) until all of them are done."""
+    pending = {t for t in tasks if t is not None and not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=RECANCEL_S)
+        pending = {t for t in pending if not t.done()}
+    for task in tasks:
+        if task is not None and task.done() and not task.cancelled():
+            task.exception()  # retrieved
