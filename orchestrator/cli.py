@@ -313,16 +313,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def format_workers(pool: dict[str, Any]) -> list[str]:
-    """The data plane: a total line, then one line per worker process."""
+def format_workers(pool: dict[str, Any], daemon_version: str = "") -> list[str]:
+    """The data plane: a total line, then one line per worker process. A worker whose code
+    is not the daemon's (adopted across an upgrade) says so, and what replaces it."""
     lines = [f"data plane {pool.get('state')}  {pool.get('workers_alive', 0)}/{pool.get('workers_wanted', 0)} "
              f"workers  connections {pool.get('connections', 0)}  in flight {pool.get('inflight', 0)}  "
              f"requests {pool.get('requests', 0)}"]
     for w in pool["workers"]:
-        lines.append(f"      worker {w['slot']}: pid {w.get('pid') or '-'}  v{w.get('version') or '?'}  "
+        version = w.get("version") or "?"
+        older = daemon_version and w.get("alive", True) and version != daemon_version
+        lines.append(f"      worker {w['slot']}: pid {w.get('pid') or '-'}  v{version}  "
                      f"connections {w.get('connections', 0)}  in flight {w.get('inflight', 0)}  held "
                      f"{w.get('held', 0)}  requests {w.get('requests', 0)}  restarts {w.get('restarts', 0)}"
-                     + (f"  last exit: {w['last_exit']}" if w.get("last_exit") else ""))
+                     + (f"  last exit: {w['last_exit']}" if w.get("last_exit") else "")
+                     + ("  (not the daemon's code: `reload --proxy-workers` replaces it)" if older else ""))
     return lines
 
 
@@ -332,7 +336,7 @@ def format_status(status: dict[str, Any]) -> str:
              f"proxy {d['proxy']} {d['listen']}" + ("  (stopping)" if d.get("stopping") else "")]
     for proxy in status.get("proxies", []):  # a proxy with a process of its own (nginx, the workers)
         if "workers" in proxy:
-            lines += format_workers(proxy)
+            lines += format_workers(proxy, d.get("version", ""))
             continue
         lines.append(f"{proxy.get('kind', 'proxy')} {proxy.get('state')}  pid {proxy.get('pid') or '-'}  "
                      f"restarts {proxy.get('restarts', 0)}")

@@ -69,6 +69,26 @@ def test_top_and_status_show_the_data_plane_workers_total_and_each():
     assert "worker 1: pid -" in text and "last exit: killed by SIGKILL" in text
 
 
+def test_status_marks_a_worker_whose_code_is_not_the_daemons():
+    from orchestrator.cli import format_status
+    workers = [{**POOL["workers"][0], "version": "0.2.0+aaaaaaaaaa"},
+               {**POOL["workers"][0], "slot": 1, "pid": 12, "version": "0.2.0+bbbbbbbbbb"}]
+    status = {**STATUS, "daemon": {**STATUS["daemon"], "version": "0.2.0+bbbbbbbbbb"},
+              "proxies": [{**POOL, "workers": workers}], "instances": []}
+    lines = format_status(status).splitlines()
+    w0 = next(ln for ln in lines if "worker 0:" in ln)
+    w1 = next(ln for ln in lines if "worker 1:" in ln)
+    assert "v0.2.0+aaaaaaaaaa" in w0 and "not the daemon's code" in w0
+    assert "not the daemon's code" not in w1
+
+
+def test_the_release_names_the_code_a_process_loaded():
+    import orchestrator
+    version, _, digest = orchestrator.release().partition("+")
+    assert version == orchestrator.__version__ and len(digest) == 10
+    assert orchestrator._code_digest() == digest  # the files have not changed since import
+
+
 def test_top_shows_a_daemon_that_stopped_answering():
     out = text_of(render(STATUS, error="daemon not answering: gone"))
     assert "daemon not answering: gone" in out

@@ -34,7 +34,7 @@ from orchestrator.launcher.group import ProcessGroup
 from orchestrator.launcher.process_tree import OsOps
 from orchestrator.plan import InstancePlan, Plan
 from orchestrator.routing.backends import ReadyBackends
-from orchestrator import __version__
+from orchestrator import release
 from orchestrator.controlplane.adoption import Prior, find_prior
 from orchestrator.controlplane.reaper import sweep_leftovers
 from orchestrator.controlplane.states import State
@@ -325,7 +325,7 @@ class Daemon:
         dataplane = next((p.state_record() for p in self.proxies if hasattr(p, "state_record")), None)
         return {"daemon_pid": os.getpid(),
                 "daemon_create_time": self._create_time,
-                "version": __version__,
+                "version": release(),
                 # `upgrade` starts the new daemon with this command line (or systemd does).
                 "argv": self._argv, "cwd": os.getcwd(), "systemd": bool(os.environ.get("INVOCATION_ID")),
                 "proxy_pids": proxy_pids,
@@ -351,7 +351,7 @@ class Daemon:
             instances.append(entry)
         s = self.settings
         return {
-            "daemon": {"pid": os.getpid(), "version": __version__,
+            "daemon": {"pid": os.getpid(), "version": release(),
                        "uptime_s": round(time.monotonic() - self._started, 1),
                        "state_dir": str(self.state_dir.root), "proxy": s.proxy,
                        "listen": s.listen if s.proxy != "none" else "",

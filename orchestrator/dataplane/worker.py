@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator import __version__
+from orchestrator import release
 from orchestrator.config import Settings, settings_from_json
 from orchestrator.dataplane.away_probe import AwayProber
 from orchestrator.dataplane.feed import FeedClient
@@ -149,7 +149,7 @@ class Worker:
 
     # --- the feed ------------------------------------------------------------------------
     def _hello(self) -> dict[str, Any]:
-        return {"t": "hello", "slot": self.slot, "pid": os.getpid(), "version": __version__,
+        return {"t": "hello", "slot": self.slot, "pid": os.getpid(), "version": release(),
                 "started": self.started}
 
     def _on_message(self, msg: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 import psutil
 
-from orchestrator import __version__
+from orchestrator import release
 from orchestrator.health.exit_watch import ExitWatcher
 from orchestrator.launcher.adopted import UNKNOWN_EXIT, AdoptedProcess
 from orchestrator.plan import InstancePlan
@@ -137,7 +137,7 @@ class ProcessGroup:
             raise LaunchFailed(f"could not start {cmd.argv[0]}: {exc}") from None
         self._stopping = False
         self.command = cmd
-        self.started_by = __version__
+        self.started_by = release()
         self.mpirun = proc
         self.mpirun_create_time = self._ops.create_time(proc.pid)  # one stat of /proc/PID
         self.pids = [proc.pid]
