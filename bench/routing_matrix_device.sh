@@ -7,6 +7,8 @@
 #   bench/routing_matrix_device.sh OUTDIR [SECONDS]      (SECONDS per target visit, default 20)
 #   CELLS='s8/room4/uniform/r1;s64/room4/unique/r2' bench/routing_matrix_device.sh OUTDIR 5
 #       (other cells: one process per ';'-separated group; a group's cells share an engine cell)
+#   TARGETS=prefix-affinity,least-outstanding,nginx bench/routing_matrix_device.sh OUTDIR
+#       (fewer targets: a policy change against the baselines, in 3/5 of the time)
 #
 # Needs, carried from the CPU machine (both ignored by git, under .carry/):
 #   .carry/payload     scripts/pack-gpu-payload .carry/payload   (tritonserver + wheels, ~30 MB)
@@ -52,7 +54,7 @@ pids=()
 for i in "${!groups[@]}"; do
   mkdir -p "$work/part$i"
   "$py" -m bench.routing_bench --cells "${groups[$i]}" --seconds "$seconds" --drain-s 10 --rounds 1 \
-    --no-sim --out "$work/part$i" >"$work/log$i" 2>&1 &
+    ${TARGETS:+--targets "$TARGETS"} --no-sim --out "$work/part$i" >"$work/log$i" 2>&1 &
   pids+=($!)
 done
 failed=0

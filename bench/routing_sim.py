@@ -465,7 +465,7 @@ def main() -> int:
         if old.get("index", "local") != a.index and any(t in POLICIES and "index" in inspect.signature(
                 POLICIES[t]).parameters for _, t in reuse):
             raise SystemExit(f"--reuse {a.reuse}: another --index, and a reused target takes one (--rerun it)")
-    jobs = [(c, t, a.seconds, seeds, kw if t.startswith("cost-model") else None, a.jitter, a.index) for c in cs
+    jobs = [(c, t, a.seconds, seeds, kw if t.startswith(("cost-model", "prefix-affinity", "kv-aware")) else None, a.jitter, a.index) for c in cs
             for t in targets if (c.name, t) not in reuse]
     t0 = time.time()
     done: dict[tuple[str, str], dict[str, Any]] = {}
