@@ -322,3 +322,20 @@ def test_the_away_prober_takes_a_silent_instance_out_for_every_worker_and_back_w
     prober.judge(silent, True, "", s)
     w1.refresh()
     assert [b.instance_id for b in w1.backends.current()] == ["0", "1", "2"]
+
+
+async def test_the_away_prober_ends_by_itself_once_a_daemon_is_connected(tmp_path):
+    """Its owner cancels it when a daemon connects; a cancel that is lost must not leave it
+    ejecting instances beside the daemon."""
+    import logging
+
+    from orchestrator.dataplane.away_probe import AwayProber
+    table = SharedTable.create(tmp_path / "t")
+    m = WorkerMembership(ReadyBackends(), table, lambda msg: None, threshold=3)
+    m.set_connected(False)
+    prober = AwayProber(m, table, lambda host, port, reason: None, logging.getLogger("test"))
+    task = asyncio.create_task(prober.run(Settings(probe_interval_s=0.05)))
+    await asyncio.sleep(0.15)
+    assert not task.done()  # no daemon: it probes on
+    m.set_connected(True)  # and no cancel
+    await asyncio.wait_for(task, 2)

@@ -45,16 +45,20 @@ class AwayProber:
         self._out: set[str] = set()  # taken out by this prober
 
     async def run(self, settings: Settings) -> None:
-        """Probe until cancelled (the worker cancels it when a daemon connects)."""
+        """Probe until cancelled (the worker cancels it when a daemon connects) or until a
+        daemon is connected: a cancel can be lost (orchestrator/tasks.py), and a prober left
+        running beside a daemon would eject instances the daemon says are fine."""
         self._streaks.clear()
         self._out.clear()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-            while True:
+            while not self._membership.daemon_connected:
                 started = self._clock()
                 instances = self._membership.published()
                 results = await asyncio.gather(*(
                     probe_instance(session, f"http://{b.host}:{b.http_port}", settings.served_model,
                                    settings.probe_timeout_s) for b in instances))
+                if self._membership.daemon_connected:
+                    return  # back while we probed: the daemon decides
                 for b, result in zip(instances, results):
                     self.judge(b, result.ok, result.reason, settings)
                 await asyncio.sleep(max(0.0, settings.probe_interval_s - (self._clock() - started)))
