@@ -61,6 +61,46 @@ def test_recent_window_rates_and_percentiles():
     assert rec.summary() == {}  # idle for a whole window: forgotten
 
 
+def test_workers_ttft_percentiles_merge_from_their_bucket_counts_not_by_averaging():
+    from orchestrator.controlplane.workers import merge_llm_rows
+    from orchestrator.dataplane.recent import HIST_RATIO
+
+    def row(ttfts: list[float]) -> dict:
+        rec = RecentLLM(window_s=60, clock=lambda: 1000.0)
+        for t in ttfts:
+            rec.first_token("0", t, 1000.0)
+            rec.events("0", 4, 1000.0)
+        return rec.summary(1000.0, histogram=True)["0"]
+
+    # One worker served 99 fast answers, another one slow answer: the instance's p99 over the
+    # 100 is a fast one, p50 fast too. Averaging the workers' own percentiles gave ~1 s.
+    fast, slow = row([0.020 + 0.0001 * i for i in range(99)]), row([2.0])
+    merged = merge_llm_rows([fast, slow])
+    exact = sorted([0.020 + 0.0001 * i for i in range(99)] + [2.0])
+    assert merged["generations"] == 100 and merged["tokens_per_s"] == fast["tokens_per_s"] + slow["tokens_per_s"]
+    for q, key in ((0.50, "ttft_p50_ms"), (0.99, "ttft_p99_ms")):
+        truth = percentile(exact, q) * 1000
+        assert truth <= merged[key] <= truth * HIST_RATIO + 0.1, (key, merged[key], truth)
+    # One worker alone: its own exact figures; an older worker without counts: the mean.
+    assert merge_llm_rows([fast])["ttft_p99_ms"] == fast["ttft_p99_ms"]
+    old = {k: v for k, v in slow.items() if k != "ttft_hist"}
+    assert merge_llm_rows([fast, old])["ttft_p50_ms"] == round((99 * fast["ttft_p50_ms"] + 2000.0) / 100, 1)
+    # cost-model's picks add up, and its estimates' median error merges like the TTFTs (it
+    # was dropped: `top` showed no ROUTE or EST ERR with data-plane workers).
+    a, b = RecentLLM(clock=lambda: 1000.0), RecentLLM(clock=lambda: 1000.0)
+    for rec, reason, errors in ((a, "hit", [0.1] * 9), (b, "miss", [0.5] * 3)):
+        rec.first_token("0", 0.05, 1000.0)
+        for e in errors:
+            rec.routed("0", reason, 1000.0)
+            rec.estimate_error("0", e, 1000.0)
+    both = merge_llm_rows([a.summary(1000.0, histogram=True)["0"], b.summary(1000.0, histogram=True)["0"]])
+    assert both["routes"] == {"hit": 9, "miss": 3}
+    assert 0.1 <= both["ttft_est_err"] <= 0.1 * HIST_RATIO + 0.001  # 9 of the 12 errors are 0.1
+    plain = RecentLLM(clock=lambda: 1000.0)
+    plain.first_token("0", 0.1, 1000.0)
+    assert "ttft_hist" not in plain.summary(1000.0)["0"]  # status shows percentiles, not buckets
+
+
 # --- token clock and SSE ----------------------------------------------------------------
 
 def test_sse_counter_over_every_split():

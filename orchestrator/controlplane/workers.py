@@ -44,6 +44,7 @@ from orchestrator.config import Settings, parse_host_port, settings_to_json
 from orchestrator.controlplane.adoption import AdoptableWorker
 from orchestrator.launcher.adopted import UNKNOWN_EXIT, AdoptedProcess
 from orchestrator.dataplane.feed import FeedServer
+from orchestrator.dataplane.recent import histogram_percentile
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_table import SharedTable, TableError, instance_index
 from orchestrator.dataplane.worker import dataplane_dir, feed_path, handover_path, prefix_path, table_path
@@ -509,28 +510,14 @@ class WorkerPool:
         return sum(table.held(i) for i in self._slots) if table is not None else 0
 
     def llm_summary(self) -> dict[str, dict[str, Any]]:
-        """Every worker's last minute per instance, added up (rates and counts add; a
-        percentile cannot be added: the generation-weighted mean of the workers' stands in)."""
-        merged: dict[str, dict[str, Any]] = {}
+        """Every worker's last minute per instance, added up: rates and counts add; the TTFT
+        percentiles are those of the workers' merged bucket counts (recent.ttft_histogram),
+        or one worker's own exact ones when only it served the instance."""
+        rows: dict[str, list[dict[str, Any]]] = {}
         for slot in self._slots.values():
             for iid, row in (slot.stats.get("llm") or {}).items():
-                m = merged.setdefault(iid, {"tokens_per_s": 0.0, "generations": 0, "window_s": 0.0,
-                                            "_w50": 0.0, "_w99": 0.0, "_w": 0})
-                m["tokens_per_s"] += row.get("tokens_per_s") or 0.0
-                m["generations"] += row.get("generations") or 0
-                m["window_s"] = max(m["window_s"], row.get("window_s") or 0.0)
-                if row.get("ttft_p50_ms") is not None:
-                    w = max(1, row.get("generations") or 0)
-                    m["_w"] += w
-                    m["_w50"] += w * row["ttft_p50_ms"]
-                    m["_w99"] += w * (row.get("ttft_p99_ms") or row["ttft_p50_ms"])
-        for m in merged.values():
-            w = m.pop("_w")
-            w50, w99 = m.pop("_w50"), m.pop("_w99")
-            m["ttft_p50_ms"] = round(w50 / w, 1) if w else None
-            m["ttft_p99_ms"] = round(w99 / w, 1) if w else None
-            m["tokens_per_s"] = round(m["tokens_per_s"], 1)
-        return merged
+                rows.setdefault(iid, []).append(row)
+        return {iid: merge_llm_rows(r) for iid, r in rows.items()}
 
     def status(self) -> dict[str, Any]:
         table = self._table
@@ -584,3 +571,43 @@ def _package_root() -> str:
     """Where `orchestrator` is imported from: a worker started by an installed daemon or a
     source checkout imports the same code (an upgrade starts new workers from new code)."""
     return str(Path(__file__).resolve().parents[2])
+
+
+def merge_llm_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One instance's last minute from several workers' `RecentLLM.summary` rows: rates and
+    counts add; a percentile is one worker's exact one when only it has any, else read from
+    the workers' merged bucket counts (recent.log_histogram)."""
+    m: dict[str, Any] = {"tokens_per_s": round(sum(r.get("tokens_per_s") or 0.0 for r in rows), 1),
+                         "generations": sum(r.get("generations") or 0 for r in rows),
+                         "window_s": max((r.get("window_s") or 0.0 for r in rows), default=0.0)}
+    m["ttft_p50_ms"] = _merged_percentile(rows, "ttft_p50_ms", "ttft_hist", 0.50, 1000.0)
+    m["ttft_p99_ms"] = _merged_percentile(rows, "ttft_p99_ms", "ttft_hist", 0.99, 1000.0)
+    routes: dict[str, int] = {}  # cost-model's routing reasons
+    for r in rows:
+        for reason, n in (r.get("routes") or {}).items():
+            routes[reason] = routes.get(reason, 0) + n
+    if routes:
+        m["routes"] = routes
+    err = _merged_percentile(rows, "ttft_est_err", "est_err_hist", 0.50, 1.0, digits=3)
+    if err is not None:
+        m["ttft_est_err"] = err
+    return m
+
+
+def _merged_percentile(rows: list[dict[str, Any]], field: str, hist: str, q: float, scale: float,
+                       digits: int = 1) -> float | None:
+    """The q-quantile of a value each worker summarised as `field` (its own q-quantile) and as
+    `hist` counts: one worker's `field` when only it has one, else read from the merged counts.
+    A worker of an older release (adopted) sends no counts: then the generation-weighted mean
+    of the workers' `field` stands in, as it did before."""
+    having = [r for r in rows if r.get(field) is not None]
+    if len(having) <= 1:
+        return having[0][field] if having else None
+    if all(r.get(hist) for r in having):
+        counts: dict[str, int] = {}
+        for r in having:
+            for k, n in r[hist].items():
+                counts[k] = counts.get(k, 0) + n
+        return round(histogram_percentile(counts, q) * scale, digits)
+    w = [max(1, r.get("generations") or 0) for r in having]
+    return round(sum(wi * r[field] for wi, r in zip(w, having)) / sum(w), digits)

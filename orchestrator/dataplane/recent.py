@@ -41,6 +41,36 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(rank, len(sorted_values)) - 1]
 
 
+# Percentiles of several workers' windows cannot be merged; counts in shared buckets can.
+# Each worker also sends its window's TTFTs (and estimate errors) as counts per log bucket: bucket i holds
+# (HIST_BASE_S * HIST_RATIO**(i-1), HIST_BASE_S * HIST_RATIO**i], so a merged percentile
+# is read as its bucket's upper bound, at most 5% above the exact one and never below.
+HIST_BASE_S = 1e-5
+HIST_RATIO = 1.05
+_LOG_RATIO = math.log(HIST_RATIO)
+
+
+def log_histogram(values: list[float]) -> dict[str, int]:
+    """Counts per log bucket, keyed by the bucket's index as a string (a JSON object)."""
+    counts: dict[str, int] = {}
+    for v in values:
+        key = str(max(0, math.ceil(math.log(max(v, HIST_BASE_S) / HIST_BASE_S) / _LOG_RATIO - 1e-9)))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def histogram_percentile(counts: dict[str, int], q: float) -> float:
+    """Nearest-rank percentile of merged `log_histogram` counts: the bucket's upper bound."""
+    buckets = sorted((int(k), n) for k, n in counts.items())
+    rank = max(1, math.ceil(q * sum(n for _, n in buckets) - 1e-9))
+    seen = 0
+    for index, n in buckets:
+        seen += n
+        if seen >= rank:
+            return HIST_BASE_S * HIST_RATIO ** index
+    raise ValueError("empty histogram")
+
+
 class RecentLLM:
     def __init__(self, window_s: int = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
@@ -87,8 +117,9 @@ class RecentLLM:
             s.est_err.append(relative)
 
     # --- for status ----------------------------------------------------------------
-    def summary(self, now: float | None = None) -> dict[str, dict[str, Any]]:
-        """Per instance seen in the last window: ttft p50/p99 (ms), output events/s, generations."""
+    def summary(self, now: float | None = None, histogram: bool = False) -> dict[str, dict[str, Any]]:
+        """Per instance seen in the last window: ttft p50/p99 (ms), output events/s, generations;
+        with `histogram`, the TTFTs' bucket counts too (a worker's, for the daemon's merge)."""
         now = self.clock() if now is None else now
         oldest = int(now - self.window_s)
         out: dict[str, dict[str, Any]] = {}
@@ -110,6 +141,8 @@ class RecentLLM:
                 "generations": sum(s.firsts for s in seconds),
                 "window_s": round(span, 1),
             }
+            if histogram:
+                out[instance]["ttft_hist"] = log_histogram(ttft)
             routes: dict[str, int] = {}
             errors: list[float] = []
             for s in seconds:
@@ -122,4 +155,6 @@ class RecentLLM:
                 out[instance]["routes"] = routes
             if errors:  # median relative error of its TTFT estimates
                 out[instance]["ttft_est_err"] = round(percentile(sorted(errors), 0.5), 3)
+                if histogram:
+                    out[instance]["est_err_hist"] = log_histogram(errors)
         return out

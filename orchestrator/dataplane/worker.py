@@ -218,7 +218,7 @@ class Worker:
                 self.membership.refresh()  # ejections of other workers, and their expiry
             if now - last_stats >= STATS_S:
                 last_stats = now
-                self.feed.send({"t": "stats", "llm": self.metrics.recent.summary(now),
+                self.feed.send({"t": "stats", "llm": self.metrics.recent.summary(now, histogram=True),
                                 "connections": self._connections(), "served": self.membership.take_served()})
             await asyncio.sleep(HEARTBEAT_S)
 
