@@ -27,7 +27,7 @@ import pytest
 
 from tests.test_e2e_faults import Load, fault_case, get_code, mpirun_of, post, rank_proc, stubs_of
 from tests.test_demo_model import _body
-from tests.test_twin_e2e import _ensemble_inputs, _grpc_stream, _inputs, fill_template, tokens, ttft_at, twin_metrics
+from tests.test_twin_on_tritonserver import _ensemble_inputs, _grpc_stream, _inputs, fill_template, tokens, ttft_at, twin_metrics
 
 pytestmark = pytest.mark.e2e
 

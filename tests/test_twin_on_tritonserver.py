@@ -1,6 +1,6 @@
-"""The TRT-LLM twin on a real tritonserver (and a 2-rank mpirun group): the calls
-NVIDIA's clients make, in-flight batching seen in the metrics, KV reuse in TTFT,
-and rank coupling through the ranks' server processes."""
+"""The TRT-LLM twin on a bare tritonserver, no daemon (and a 2-rank mpirun group): the calls
+NVIDIA's clients make, in-flight batching seen in the metrics, KV reuse in TTFT, and rank
+coupling through the ranks' server processes. Behind the daemon: test_e2e_twin.py."""
 import concurrent.futures as cf
 import json
 import os
