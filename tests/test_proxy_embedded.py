@@ -332,13 +332,20 @@ async def test_no_retry_after_first_byte(h):
     await h.still_serving()
 
 
-async def test_all_attempts_fail_gives_502(h):
+async def test_all_attempts_fail_gives_502(h, caplog):
     await h.start(max_attempts=3)
-    h.publish(free_port(), free_port())
-    async with h.session.post(h.url + INFER, data=b"{}") as r:
-        assert r.status == 502
-        assert "error" in await r.json()
+    ports = (free_port(), free_port())
+    h.publish(*ports)
+    with caplog.at_level("WARNING"):
+        async with h.session.post(h.url + INFER, data=b"{}") as r:
+            assert r.status == 502
+            body = await r.text()
+    assert "error" in json.loads(body)
     assert len(h.failures) == 3  # two instances, three attempts
+    # The log says what the OS said; the client learns no instance address.
+    line = next(rec.getMessage() for rec in caplog.records if "attempt(s) failed" in rec.getMessage())
+    assert "Connection refused" in line, line
+    assert not any(str(p) in body for p in ports), body
 
 
 async def test_5xx_passes_through_and_is_reported(h):

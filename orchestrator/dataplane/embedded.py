@@ -435,7 +435,7 @@ class EmbeddedProxy:
             return _error(503, "proxy is shutting down", {"Retry-After": RETRY_AFTER_S}, close=True)
         balancer = self._balancer
         tried: list[str] = []
-        last = "no attempt made"
+        last = why = "no attempt made"
         loop = self._loop
         for attempt in range(self._max_attempts):
             # Re-read: the set may change between attempts; an instance that just died
@@ -508,6 +508,8 @@ class EmbeddedProxy:
                 return await self._relay(request, up, b, stream, peeked, timer)
             except _Retryable as exc:
                 last = f"instance {iid}: {exc.reason}"
+                cause = exc.__cause__  # what the OS said, for the log only (the client sees no address)
+                why = f"{last} ({cause})" if isinstance(cause, (ConnectFailed, ConnectTimeout)) else last
                 self.metrics.failure(iid, exc.reason)
                 if exc.blame:
                     b.report_failure(exc.reason)
@@ -520,7 +522,7 @@ class EmbeddedProxy:
                 balancer.release(iid)
                 gauge.dec()
         self.metrics.count(NO_INSTANCE, 502)
-        self._log.warning("%s %s: all %d attempt(s) failed, last: %s", method, path, len(tried), last)
+        self._log.warning("%s %s: all %d attempt(s) failed, last: %s", method, path, len(tried), why)
         return _error(502, f"all upstream attempts failed ({last})")
 
     def _is_ready(self, iid: str) -> bool:

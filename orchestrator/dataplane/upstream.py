@@ -29,6 +29,7 @@ whether to retry and whom to blame.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -517,7 +518,9 @@ class UpstreamPool:
                 raise ConnectTimeout(f"connect to {host}:{port} timed out after {connect_timeout_s:g} s") \
                     from None
             if isinstance(exc, OSError):
-                raise ConnectFailed(f"connect to {host}:{port}: {exc.strerror or exc}") from exc
+                # asyncio's own message ("Connect call failed (...)") hides the errno's meaning.
+                why = os.strerror(exc.errno) if exc.errno else str(exc)
+                raise ConnectFailed(f"connect to {host}:{port}: {why}") from exc
             raise
         conn = made[0]
         if not conn.usable():
