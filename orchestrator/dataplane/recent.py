@@ -11,6 +11,7 @@ Everything runs on the event loop; no lock.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -50,12 +51,20 @@ HIST_RATIO = 1.05
 _LOG_RATIO = math.log(HIST_RATIO)
 
 
-def log_histogram(values: list[float]) -> dict[str, int]:
-    """Counts per log bucket, keyed by the bucket's index as a string (a JSON object)."""
+def log_histogram(sorted_values: list[float]) -> dict[str, int]:
+    """Counts per log bucket of an already sorted list, keyed by the bucket's index as a
+    string (a JSON object). One bisection per bucket in use, not a log per value: a worker
+    sends this every second from the loop that serves traffic, for up to 120k values."""
     counts: dict[str, int] = {}
-    for v in values:
-        key = str(max(0, math.ceil(math.log(max(v, HIST_BASE_S) / HIST_BASE_S) / _LOG_RATIO - 1e-9)))
-        counts[key] = counts.get(key, 0) + 1
+    pos, n = 0, len(sorted_values)
+    while pos < n:
+        v = sorted_values[pos]
+        i = max(0, math.ceil(math.log(max(v, HIST_BASE_S) / HIST_BASE_S) / _LOG_RATIO - 1e-9))
+        while HIST_BASE_S * HIST_RATIO ** i < v:  # float rounding: the bound must hold v
+            i += 1
+        end = bisect.bisect_right(sorted_values, HIST_BASE_S * HIST_RATIO ** i, pos)
+        counts[str(i)] = end - pos
+        pos = end
     return counts
 
 
@@ -154,7 +163,8 @@ class RecentLLM:
             if routes:  # routing reasons of the last minute (cost-model's hit/miss/spill/load)
                 out[instance]["routes"] = routes
             if errors:  # median relative error of its TTFT estimates
-                out[instance]["ttft_est_err"] = round(percentile(sorted(errors), 0.5), 3)
+                errors.sort()
+                out[instance]["ttft_est_err"] = round(percentile(errors, 0.5), 3)
                 if histogram:
                     out[instance]["est_err_hist"] = log_histogram(errors)
         return out
