@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -511,7 +512,7 @@ class WorkerPool:
 
     def llm_summary(self) -> dict[str, dict[str, Any]]:
         """Every worker's last minute per instance, added up: rates and counts add; the TTFT
-        percentiles are those of the workers' merged bucket counts (recent.ttft_histogram),
+        percentiles are those of the workers' merged bucket counts (recent.log_histogram),
         or one worker's own exact ones when only it served the instance."""
         rows: dict[str, list[dict[str, Any]]] = {}
         for slot in self._slots.values():
@@ -582,12 +583,11 @@ def merge_llm_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
                          "window_s": max((r.get("window_s") or 0.0 for r in rows), default=0.0)}
     m["ttft_p50_ms"] = _merged_percentile(rows, "ttft_p50_ms", "ttft_hist", 0.50, 1000.0)
     m["ttft_p99_ms"] = _merged_percentile(rows, "ttft_p99_ms", "ttft_hist", 0.99, 1000.0)
-    routes: dict[str, int] = {}  # cost-model's routing reasons
+    routes: Counter[str] = Counter()  # cost-model's routing reasons
     for r in rows:
-        for reason, n in (r.get("routes") or {}).items():
-            routes[reason] = routes.get(reason, 0) + n
+        routes.update(r.get("routes") or {})
     if routes:
-        m["routes"] = routes
+        m["routes"] = dict(routes)
     err = _merged_percentile(rows, "ttft_est_err", "est_err_hist", 0.50, 1.0, digits=3)
     if err is not None:
         m["ttft_est_err"] = err
@@ -604,10 +604,9 @@ def _merged_percentile(rows: list[dict[str, Any]], field: str, hist: str, q: flo
     if len(having) <= 1:
         return having[0][field] if having else None
     if all(r.get(hist) for r in having):
-        counts: dict[str, int] = {}
+        counts: Counter[str] = Counter()
         for r in having:
-            for k, n in r[hist].items():
-                counts[k] = counts.get(k, 0) + n
+            counts.update(r[hist])
         return round(histogram_percentile(counts, q) * scale, digits)
     w = [max(1, r.get("generations") or 0) for r in having]
     return round(sum(wi * r[field] for wi, r in zip(w, having)) / sum(w), digits)
