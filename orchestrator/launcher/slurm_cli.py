@@ -9,28 +9,16 @@ Every call has a timeout: a slurmctld that does not answer must not hang us.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
 import subprocess
 from dataclasses import dataclass
 
+from orchestrator.commands import Result, run_command
 from orchestrator.errors import EnvironmentProblem
 from orchestrator.topology import parse_ids
 
 SLURM_TIMEOUT_S = 20.0
 
-
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def line(self) -> str:
-        """The first line Slurm printed about a failure, for one-line error messages."""
-        text = (self.err or self.out).strip()
-        return text.splitlines()[-1] if text else f"exit code {self.code}"
 
 
 def run_sync(argv: list[str], timeout_s: float = SLURM_TIMEOUT_S) -> Result:
@@ -44,25 +32,7 @@ def run_sync(argv: list[str], timeout_s: float = SLURM_TIMEOUT_S) -> Result:
 
 
 async def run_async(argv: list[str], timeout_s: float = SLURM_TIMEOUT_S) -> Result:
-    try:
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-    except FileNotFoundError:
-        return Result(127, "", f"{argv[0]} not found")
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except asyncio.TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        return Result(124, "", f"{argv[0]} did not answer within {timeout_s:g}s")
-    except asyncio.CancelledError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
-    return Result(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+    return await run_command(argv, timeout_s)
 
 
 # --- parsers (pure) -----------------------------------------------------------------------

@@ -12,9 +12,10 @@ unit, systemctl failing or slow) answers "stop": the safe default stops what it 
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
+
+from orchestrator.commands import run_command
 
 LIST_JOBS_TIMEOUT_S = 2.0
 
@@ -50,18 +51,10 @@ async def being_restarted() -> bool:
     if unit is None:
         return False
     try:
-        proc = await asyncio.create_subprocess_exec(
-            "systemctl", "list-jobs", "--no-legend", "--no-pager", stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        jobs = await run_command(["systemctl", "list-jobs", "--no-legend", "--no-pager"], LIST_JOBS_TIMEOUT_S)
     except OSError:
         return False
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), LIST_JOBS_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return False
-    return proc.returncode == 0 and restart_job_for(unit, out.decode(errors="replace"))
+    return jobs.code == 0 and restart_job_for(unit, jobs.out)
 
 
 __all__ = ["being_restarted", "own_unit", "restart_job_for"]
