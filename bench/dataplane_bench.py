@@ -11,8 +11,11 @@ the same sources:
     shared table and prefix index, the default routing policy), minus the daemon's
     instances: the ready set is the sources;
   - nginx: NGINX with W workers, the anchor's config (../shared/notes/dataplane-anchor.md:
-    least_conn, upstream keep-alive, proxy_buffering off).
-Pinning: worker i of either proxy on core i (cores 0..W-1); the rest of the machine split
+    least_conn, upstream keep-alive, proxy_buffering off);
+  - split: the design the issue asks to measure, not a product mode: NGINX with W workers
+    carries the bytes, W Python deciders (bench/_route_decider.py: the product's balancer
+    and default policy on the workers' shared table and prefix index) choose each route.
+Pinning: worker i of any proxy (and decider i) on core i (cores 0..W-1); the rest of the machine split
 between the sources and wrk (4 threads at most). Past ~8 workers the sources have few cores
 left: each row reports the sources' CPU use, and a row whose sources ran near their cores'
 capacity measures the sources, not the relay.
@@ -109,26 +112,34 @@ class Sources:
 
 # --- targets --------------------------------------------------------------------------------
 class Nginx:
+    """NGINX with W workers relaying to the sources: the anchor's config
+    (../shared/notes/dataplane-anchor.md: least_conn, upstream keep-alive, no buffering)."""
+
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
         self.prefix = Path(tempfile.mkdtemp(prefix="bench-dp-nginx-"))
         self.prefix.chmod(0o755)  # workers run as nobody when the master is root
-        masks = " ".join("1" + "0" * i for i in range(workers))
         for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.prefix / d).mkdir()
+        self.workers = workers
+        self.port = port
+        self.proc: subprocess.Popen | None = None
         servers = "".join(f"server 127.0.0.1:{p};" for p in ports)
+        self._write_conf("access_log off;\n"
+                         f"  upstream llm {{ least_conn; {servers} keepalive 256; }}\n",
+                         "location / { proxy_pass http://llm; proxy_http_version 1.1; "
+                         "proxy_set_header Connection \"\";\n"
+                         "      proxy_buffering off; proxy_request_buffering off; }")
+
+    def _write_conf(self, http: str, locations: str) -> None:
+        masks = " ".join("1" + "0" * i for i in range(self.workers))
         temps = "".join(f"{d}_temp_path {self.prefix / d};" for d in ("client_body", "proxy", "fastcgi", "uwsgi",
                                                                          "scgi"))
         (self.prefix / "nginx.conf").write_text(
-            f"worker_processes {workers}; worker_cpu_affinity {masks}; worker_rlimit_nofile 65536;\n"
+            f"worker_processes {self.workers}; worker_cpu_affinity {masks}; worker_rlimit_nofile 65536;\n"
             f"pid {self.prefix}/nginx.pid;\n"
             "events { worker_connections 16384; multi_accept on; }\n"
-            f"http {{ access_log off; {temps}\n"
-            f"  upstream llm {{ least_conn; {servers} keepalive 256; }}\n"
-            f"  server {{ listen 127.0.0.1:{port} reuseport backlog=4096;\n"
-            "    location / { proxy_pass http://llm; proxy_http_version 1.1; proxy_set_header Connection \"\";\n"
-            "      proxy_buffering off; proxy_request_buffering off; } } }\n")
-        self.port = port
-        self.proc: subprocess.Popen | None = None
+            f"http {{ {temps}\n  {http}"
+            f"  server {{ listen 127.0.0.1:{self.port} reuseport backlog=4096;\n    {locations} }} }}\n")
 
     def __enter__(self) -> "Nginx":
         self.proc = subprocess.Popen(["nginx", "-e", str(self.prefix / "error.log"), "-p", str(self.prefix),
@@ -150,6 +161,74 @@ class Nginx:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         shutil.rmtree(self.prefix, ignore_errors=True)
+
+
+class Split(Nginx):
+    """The split design: NGINX carries the bytes, Python decides the route
+    (bench/_route_decider.py says how). W NGINX workers and W deciders share W cores: worker
+    i and decider i on core i, the same cores the other targets get. Every request is two
+    hops through NGINX (to a decider and back, then to the instance); every answer is one
+    access-log datagram to the decider whose route it was, which releases its count."""
+
+    def __init__(self, workers: int, ports: list[int], port: int) -> None:
+        super().__init__(workers, ports, port)
+        from orchestrator.config import Settings
+        from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
+        from orchestrator.dataplane.shared_table import SharedTable
+        self.state = self.prefix / "state"
+        self.state.mkdir()
+        self._table = SharedTable.create(self.state / "table")  # as the daemon makes them for its workers
+        self._prefixes = SharedPrefixIndex.create(self.state / "prefixes")
+        self.policy = Settings().lb_policy
+        socks = [self.prefix / f"route-{k}.sock" for k in range(workers)]
+        self._deciders_argv = [
+            [sys.executable, "-m", "bench._route_decider", "--state", str(self.state), "--slot", str(k),
+             "--sock", str(socks[k]), "--done", str(self.prefix / f"done-{k}.sock"),
+             "--ports", ",".join(map(str, ports)), "--policy", self.policy] for k in range(workers)]
+        self.deciders: list[subprocess.Popen] = []
+        maps = "".join(f"  map $upstream_addr $done{k} {{ \"~^unix:{sock} \" 1; default 0; }}\n"
+                       for k, sock in enumerate(socks))
+        logs = "".join(f"  access_log syslog:server=unix:{self.prefix}/done-{k}.sock,nohostname done "
+                       f"if=$done{k};\n" for k in range(workers))
+        routes = "".join(f"server unix:{sock};" for sock in socks)
+        instances = "".join(f"  upstream i{i} {{ server 127.0.0.1:{p}; keepalive 64; }}\n"
+                            for i, p in enumerate(ports))
+        named = "".join(f"location @i{i} {{ proxy_pass http://i{i}; proxy_http_version 1.1; "
+                        "proxy_set_header Connection \"\"; proxy_buffering off; }\n    "
+                        for i in range(len(ports)))
+        self._write_conf("log_format done '$upstream_addr';\n" + maps + logs +
+                         f"  upstream route {{ {routes} keepalive 256; }}\n" + instances,
+                         # The whole body is read before the decider sees it (it routes on
+                         # the prompt) and kept in memory for the replay to the instance.
+                         "location / { proxy_pass http://route; proxy_http_version 1.1; "
+                         "proxy_set_header Connection \"\"; client_body_buffer_size 64k; }\n    " + named)
+
+    def __enter__(self) -> "Split":
+        for argv in self._deciders_argv:
+            self.deciders.append(subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
+                                                  start_new_session=True))
+        deadline = time.monotonic() + 30
+        while not all(Path(a[a.index("--done") + 1]).exists() for a in self._deciders_argv):
+            if time.monotonic() > deadline or any(d.poll() is not None for d in self.deciders):
+                self.__exit__()
+                raise RuntimeError("a route decider did not start")
+            time.sleep(0.05)
+        super().__enter__()
+        return self
+
+    def pids(self) -> list[int]:
+        # worker i and decider i: `measure` pins the i-th pid on relay core i % W
+        return super().pids() + [d.pid for d in self.deciders]
+
+    def __exit__(self, *exc: Any) -> None:
+        for d in self.deciders:
+            if d.poll() is None:
+                d.terminate()
+            try:
+                d.wait(10)
+            except subprocess.TimeoutExpired:
+                d.kill()
+        super().__exit__(*exc)  # NGINX, then its prefix (the state and sockets in it)
 
 
 class Embedded:
@@ -194,6 +273,12 @@ class Embedded:
         shutil.rmtree(self.state, ignore_errors=True)
 
 
+# nginx first: the anchor every row is divided by. split: the design issue 22 asks to measure
+# beside the product (NGINX carries the bytes, Python decides the route), not a product mode.
+TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded), ("split", Split))
+STYLES = (("embedded", "o-"), ("split", "^-"), ("nginx", "s--"))
+
+
 # --- one measurement ------------------------------------------------------------------------------
 def measure(target: Any, cores: tuple[list[int], list[int], list[int]], sources: Sources, seconds: float,
             events_per_answer: int) -> dict[str, Any]:
@@ -225,9 +310,12 @@ def scaling(workers: list[int], seconds: float, ncpu: int, events: int) -> dict[
         cores = layout(w, ncpu)
         with Sources(SOURCES, events, 0) as sources:
             sources.pin(cores[1])
-            for name, cls in (("nginx", Nginx), ("embedded", Embedded)):
+            for name, cls in TARGETS:
                 with cls(w, sources.ports, free_port()) as target:
                     r = measure(target, cores, sources, seconds, events)
+                dead = [s.port for s in sources.items if s.proc is not None and s.proc.poll() is not None]
+                if dead:  # a row measured on fewer sources than the others is not comparable
+                    raise RuntimeError(f"sse_source on port(s) {dead} died during the {name} row")
                 rows.setdefault(name, {})[str(w)] = r
                 log(f"events={events} W={w} {name}: {r}")
     return rows
@@ -243,12 +331,12 @@ def ttft(workers: int, seconds: float, ncpu: int) -> dict[str, Any]:
         direct = [f"http://127.0.0.1:{p}{STREAM_PATH}" for p in sources.ports]
         for streams in (1, 256):
             row = {"direct": _ttft(direct, streams, seconds, cores[2])}
-            for name, cls in (("nginx", Nginx), ("embedded", Embedded)):
+            for name, cls in TARGETS:
                 with cls(workers, sources.ports, free_port()) as target:
                     for i, pid in enumerate(target.pids()):
                         pin(pid, [cores[0][i % len(cores[0])]])
                     row[name] = _ttft([f"http://127.0.0.1:{target.port}{STREAM_PATH}"], streams, seconds, cores[2])
-            for name in ("nginx", "embedded"):
+            for name, _ in TARGETS:
                 for p in ("p50_ms", "p99_ms"):
                     if row[name][p] is not None and row["direct"][p] is not None:
                         row[name]["added_" + p] = round(row[name][p] - row["direct"][p], 3)
@@ -334,9 +422,9 @@ def profile(out_dir: Path, stamp: str, seconds: float, ncpu: int) -> str | None:
 
 
 # --- report ---------------------------------------------------------------------------------------
-def ratios(rows: dict[str, Any], key: str) -> dict[str, float | None]:
+def ratios(rows: dict[str, Any], key: str, target: str = "embedded") -> dict[str, float | None]:
     out = {}
-    for w, e in rows["embedded"].items():
+    for w, e in rows[target].items():
         n = rows["nginx"].get(w, {}).get(key)
         out[w] = round(e[key] / n, 3) if n else None
     return out
@@ -344,14 +432,17 @@ def ratios(rows: dict[str, Any], key: str) -> dict[str, float | None]:
 
 def _stream_table(result: dict[str, Any], key: str, events: int) -> list[str]:
     lines = [f"## SSE events/s (wrk, 256 streams x {events} events, 8 sse_source backends)", "",
-             "| workers | embedded ev/s | nginx ev/s | ratio | emb CPU-s/1k ev | nginx CPU-s/1k ev | "
-             "emb p99 ms | nginx p99 ms | sources busy (emb/nginx) |", "|---|---|---|---|---|---|---|---|---|"]
-    st, ratio = result[key], result[key + "_ratio"]
+             "| workers | embedded ev/s | split ev/s | nginx ev/s | embedded / nginx | split / nginx | "
+             "CPU-s/1k ev emb / split / nginx | p99 ms emb / split / nginx | sources busy emb / split / nginx |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    st = result[key]
     for w in st["embedded"]:
-        e, n = st["embedded"][w], st["nginx"][w]
-        lines.append(f"| {w} | {e['events_per_s']:,} | {n['events_per_s']:,} | {ratio[w]} | "
-                     f"{e['cpu_s_per_1k_events']} | {n['cpu_s_per_1k_events']} | {e['p99_ms']} | {n['p99_ms']} | "
-                     f"{e['source_cores_busy']}/{n['source_cores_busy']} |")
+        e, n, sp = st["embedded"][w], st["nginx"][w], st.get("split", {}).get(w, {})
+        lines.append(f"| {w} | {e['events_per_s']:,} | {sp.get('events_per_s', 0):,} | {n['events_per_s']:,} | "
+                     f"{result[key + '_ratio'][w]} | {result.get(key + '_split_ratio', {}).get(w)} | "
+                     f"{e['cpu_s_per_1k_events']} / {sp.get('cpu_s_per_1k_events')} / {n['cpu_s_per_1k_events']} | "
+                     f"{e['p99_ms']} / {sp.get('p99_ms')} / {n['p99_ms']} | "
+                     f"{e['source_cores_busy']} / {sp.get('source_cores_busy')} / {n['source_cores_busy']} |")
     return lines
 
 
@@ -362,11 +453,13 @@ def report(result: dict[str, Any]) -> str:
     if result.get("stream_long"):
         lines += [""] + _stream_table(result, "stream_long", result["long_events_per_stream"])
     lines += ["", "## Tiny generate req/s (one-event answers, 256 connections)", "",
-              "| workers | embedded req/s | nginx req/s | ratio |", "|---|---|---|---|"]
+              "| workers | embedded req/s | split req/s | nginx req/s | embedded / nginx | split / nginx |",
+              "|---|---|---|---|---|---|"]
     tiny = result["tiny"]
     for w in tiny["embedded"]:
-        lines.append(f"| {w} | {tiny['embedded'][w]['rps']:,} | {tiny['nginx'][w]['rps']:,} | "
-                     f"{result['tiny_ratio'][w]} |")
+        lines.append(f"| {w} | {tiny['embedded'][w]['rps']:,} | {tiny.get('split', {}).get(w, {}).get('rps', 0):,} | "
+                     f"{tiny['nginx'][w]['rps']:,} | {result['tiny_ratio'][w]} | "
+                     f"{result.get('tiny_split_ratio', {}).get(w)} |")
     if result.get("ttft"):
         t = result["ttft"]
         lines += ["", f"## Added time to first event over direct ({t['workers']} workers, 10 ms per event)", "",
@@ -392,6 +485,8 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
     g: dict[str, Any] = {"max embedded events/s >= 250k": f"{best:,} {'MET' if best >= 250_000 else 'MISSED'}"}
     for w, r in result["stream_ratio"].items():
         g[f"embedded/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
+    for w, r in (result.get("stream_split_ratio") or {}).items():
+        g[f"(design measured, not the product) split/nginx events at {w} workers"] = r
     if "1" in st and "8" in st:
         s = round(st["8"]["events_per_s"] / st["1"]["events_per_s"], 2)
         g["1 -> 8 workers >= 6x"] = f"{s}x {'MET' if s >= 6 else 'MISSED'}"
@@ -408,12 +503,16 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     if result.get("stream_long"):
         panels.append(("stream_long", f", {result['long_events_per_stream']}-event streams", ":"))
     for key, suffix, dotted in panels:
-        for name, style in (("embedded", "o-"), ("nginx", "s--")):
+        for name, style in STYLES:
+            if name not in result[key]:
+                continue
             rows = result[key][name]
             ws = [int(w) for w in rows]
             axes[0].plot(ws, [rows[str(w)]["events_per_s"] for w in ws], style[0] + (dotted or style[1:]),
                          label=name + suffix)
-    for name, style in (("embedded", "o-"), ("nginx", "s--")):
+    for name, style in STYLES:
+        if name not in result["tiny"]:
+            continue
         rows = result["tiny"][name]
         ws = [int(w) for w in rows]
         axes[1].plot(ws, [rows[str(w)]["rps"] for w in ws], style, label=name)
@@ -468,14 +567,17 @@ def main(argv: list[str] | None = None) -> int:
     log(f"stream scaling on {ncpu} cores: workers {workers}")
     result["stream"] = scaling(workers, args.seconds, ncpu, EVENTS)
     result["stream_ratio"] = ratios(result["stream"], "events_per_s")
+    result["stream_split_ratio"] = ratios(result["stream"], "events_per_s", "split")
     if args.long_events:
         log(f"long streams ({args.long_events} events)")
         result["long_events_per_stream"] = args.long_events
         result["stream_long"] = scaling(workers, args.seconds, ncpu, args.long_events)
         result["stream_long_ratio"] = ratios(result["stream_long"], "events_per_s")
+        result["stream_long_split_ratio"] = ratios(result["stream_long"], "events_per_s", "split")
     log("tiny generate")
     result["tiny"] = scaling(workers, args.seconds / 2, ncpu, 1)
     result["tiny_ratio"] = ratios(result["tiny"], "rps")
+    result["tiny_split_ratio"] = ratios(result["tiny"], "rps", "split")
     log("time to first event")
     result["ttft"] = ttft(default_w, args.ttft_seconds, ncpu)
     if not args.no_profile:

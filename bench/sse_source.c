@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,6 +133,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s PORT EVENTS EVENT_GAP_US\n", argv[0]);
         return 2;
     }
+    /* A relay that drops a stream mid-way (its client left) makes the next write() raise
+     * SIGPIPE, whose default kills the process: the source vanished and every later
+     * connect to it was refused (the 502s once blamed on the relays at 12 workers). A
+     * closed peer is a dropped connection here, as in any server. */
+    signal(SIGPIPE, SIG_IGN);
     int port = atoi(argv[1]);
     events_per_stream = atoi(argv[2]);
     gap_us = atoll(argv[3]);

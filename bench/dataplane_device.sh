@@ -1,0 +1,27 @@
+#!/bin/bash
+# Issue 22's data-plane bench on the 16-core GPU machine (no network, no nginx, wrk or package
+# index there), in about 7 minutes: bench/dataplane_bench.py with every target (embedded,
+# split, nginx) at 1, 2, 4, 8 and 12 workers, 32- and 256-event streams, tiny answers, TTFT.
+#
+#   bench/dataplane_device.sh OUTDIR [extra dataplane_bench arguments]
+#
+# Needs, carried from the CPU machine (ignored by git): .carry/dp, made here by
+#   ../shared/tools/relay-kit .carry/dp/relay        (static nginx, wrk, bench/sse_source.c built)
+#   cp <httptools, uvloop, py-spy, prometheus_client cp312 wheels> .carry/dp/wheels/
+# and python3 with aiohttp and psutil (the GPU image's /opt/torch/.venv has both; PYTHON=...).
+set -euo pipefail
+out=${1:?usage: dataplane_device.sh OUTDIR [dataplane_bench args]}
+shift
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+site=$(mktemp -d /tmp/dp-site-XXXXXX)
+trap 'rm -rf "$site"' EXIT
+# A wheel is a zip: unpacked beside the interpreter's own packages, no pip needed.
+for whl in .carry/dp/wheels/*.whl; do "$py" -m zipfile -e "$whl" "$site"; done
+chmod +x "$site"/py_spy-*.data/scripts/py-spy 2>/dev/null || true
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$PWD/.carry/dp/relay/bin:$(echo "$site"/py_spy-*.data/scripts):$PATH"
+"$py" -c 'import uvloop, httptools, prometheus_client' # fail early, not after minutes
+mkdir -p "$out"
+"$py" -m bench.dataplane_bench --workers 1,2,4,8,12 --seconds 5 --ttft-seconds 4 --long-events 256 \
+  --out "$out" "$@" 2>&1 | grep -v 'setrlimit(RLIMIT_NOFILE' | tee "$out/dataplane_device.log"
