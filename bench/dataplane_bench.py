@@ -321,7 +321,7 @@ def scaling(workers: list[int], seconds: float, ncpu: int, events: int) -> dict[
     return rows
 
 
-def ttft(workers: int, seconds: float, ncpu: int) -> dict[str, Any]:
+def ttft(workers: int, seconds: float, ncpu: int, counts: tuple[int, ...] = (1, 256)) -> dict[str, Any]:
     """Added time to first event over direct: 1 and 256 concurrent streams, 10 ms per event."""
     from bench.common import free_port
     out: dict[str, Any] = {"workers": workers, "event_gap_ms": 10, "events": 16}
@@ -329,7 +329,7 @@ def ttft(workers: int, seconds: float, ncpu: int) -> dict[str, Any]:
     with Sources(SOURCES, 16, 10_000) as sources:
         sources.pin(cores[1])
         direct = [f"http://127.0.0.1:{p}{STREAM_PATH}" for p in sources.ports]
-        for streams in (1, 256):
+        for streams in counts:
             row = {"direct": _ttft(direct, streams, seconds, cores[2])}
             for name, cls in TARGETS:
                 with cls(workers, sources.ports, free_port()) as target:
