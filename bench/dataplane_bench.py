@@ -341,7 +341,8 @@ def ttft(workers: int, seconds: float, ncpu: int, counts: tuple[int, ...] = (1, 
                     if row[name][p] is not None and row["direct"][p] is not None:
                         row[name]["added_" + p] = round(row[name][p] - row["direct"][p], 3)
             out[f"streams_{streams}"] = row
-            log(f"ttft {streams} streams: " + json.dumps({k: {x: v.get(x) for x in ('p50_ms', 'p99_ms', 'added_p50_ms', 'added_p99_ms')} for k, v in row.items()}))
+            keys = ("p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms")
+            log(f"ttft {streams} streams: " + json.dumps({k: {x: v.get(x) for x in keys} for k, v in row.items()}))
     return out
 
 
@@ -473,8 +474,9 @@ def report(result: dict[str, Any]) -> str:
     if failed:
         lines += ["", "## Answers that were not 2xx", ""]
         for key, name, w, r in failed:
-            lines.append(f"- {key}, {name}, {w} workers: {r['failed']} of {round(r['rps'] * result['seconds'])} "
-                         f"({r['errors']})" + "".join(f"\n  - `{why[-200:]}`" for why in r.get("why_failed", [])))
+            of = f" of {round(r['rps'] * result['seconds'])}" if "seconds" in result else ""  # older runs: no length
+            whys = "".join(f"\n  - `{why[-200:]}`" for why in r.get("why_failed", []))
+            lines.append(f"- {key}, {name}, {w} workers: {r['failed']}{of} ({r.get('errors', 'not recorded')})" + whys)
     lines += ["", "## Goals", ""] + [f"- {k}: {v}" for k, v in result["goals"].items()]
     return "\n".join(lines) + "\n"
 
