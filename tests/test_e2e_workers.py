@@ -59,9 +59,39 @@ def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run)
         code, _ = post(run.url(GEN), body(f"w{i}"))
         assert code == 200
     assert sum(w["requests"] for w in workers(run)) >= 10
+    somaxconn = int(open("/proc/sys/net/core/somaxconn").read())  # the kernel's cap on any backlog
+    assert connects_complete_while_nobody_accepts(run.listen_port, pids, 300) == min(300, somaxconn + 1)
     out = run.down()
     assert out.returncode == 0, out.stderr
     assert not [p for p in pids if psutil.pid_exists(p) and alive(psutil.Process(p))]
+
+
+def connects_complete_while_nobody_accepts(port: int, pids: list[int], n: int) -> int:
+    """How many of n simultaneous connects finish their handshake while every worker is
+    stopped: the listen backlog. Past it the kernel drops SYNs, and those clients wait out
+    TCP's 1 s retransmit (aiohttp's default backlog, 128, once replaced the daemon's)."""
+    import select
+    import socket
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks.append(s)
+        deadline = time.monotonic() + 0.6  # under the 1 s SYN retransmit
+        done: set[socket.socket] = set()
+        while len(done) < n and time.monotonic() < deadline:
+            _, writable, _ = select.select([], [s for s in socks if s not in done], [], 0.05)
+            done |= {s for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+        return len(done)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        for s in socks:
+            s.close()
 
 
 def test_a_prefix_routed_by_one_worker_lands_on_the_same_instance_through_another(orch_run):

@@ -44,6 +44,7 @@ from typing import Any
 from orchestrator.config import Settings, parse_host_port, settings_to_json
 from orchestrator.controlplane.adoption import AdoptableWorker
 from orchestrator.launcher.adopted import UNKNOWN_EXIT, AdoptedProcess
+from orchestrator.dataplane.client_guard import LISTEN_BACKLOG
 from orchestrator.dataplane.feed import FeedServer
 from orchestrator.dataplane.recent import histogram_percentile
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
@@ -59,7 +60,6 @@ START_TIMEOUT_S = 30.0
 HANDOVER_TIMEOUT_S = 5.0  # a worker's feed client retries every <= 0.5 s
 STABLE_S = 10.0
 BACKOFF_MAX_S = 5.0
-LISTEN_BACKLOG = 4096
 ENV_ROLE = "TRTLLM_ORCH_ROLE"  # "dataplane": what the reaper and adoption look for
 
 

@@ -43,7 +43,7 @@ from orchestrator.config import Settings, parse_host_port
 from orchestrator.errors import OrchError
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer
-from orchestrator.dataplane.client_guard import BodyTimeout, ClientLimits, GuardedServer
+from orchestrator.dataplane.client_guard import LISTEN_BACKLOG, BodyTimeout, ClientLimits, GuardedServer
 from orchestrator.dataplane.headers import TrustedPeers, client_response_headers, upstream_request_headers
 from orchestrator.dataplane.hold import HoldGate
 from orchestrator.dataplane.response_head import RelayedResponse, response_head
@@ -233,10 +233,12 @@ class EmbeddedProxy:
         await runner.setup()
         sock = self._sockets.get(name)
         try:
+            # The backlog again for a socket the daemon bound: the event loop's create_server
+            # calls listen() on it with aiohttp's 128 otherwise.
             if sock is not None:  # a worker: the supervisor's socket, shared by every worker
-                await web.SockSite(runner, sock).start()
+                await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
             else:
-                await web.TCPSite(runner, host, port, backlog=1024).start()
+                await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
         except OSError as exc:
             await runner.cleanup()
             raise OrchError(f"{flag}={address!r}: cannot listen: {exc.strerror or exc}") from None
