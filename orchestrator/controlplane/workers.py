@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import Settings, parse_host_port, settings_to_json
+from orchestrator.config import Settings, settings_to_json
 from orchestrator.controlplane.adoption import AdoptableWorker
 from orchestrator.launcher.adopted import UNKNOWN_EXIT, AdoptedProcess
-from orchestrator.dataplane.client_guard import LISTEN_BACKLOG
+from orchestrator.dataplane.accept import bind_listener
 from orchestrator.dataplane.feed import FeedServer
 from orchestrator.dataplane.recent import histogram_percentile
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
@@ -76,18 +76,6 @@ class _Slot:
     stats: dict[str, Any] = field(default_factory=dict)
     wanted: bool = True
     task: asyncio.Task[None] | None = None
-
-
-def bind_listener(address: str, flag: str) -> socket.socket:
-    """The public socket every worker accepts on (non-blocking, inheritable through pass_fds)."""
-    host, port = parse_host_port(address, flag)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
-    except OSError as exc:
-        raise OrchError(f"{flag}={address!r}: cannot listen: {exc.strerror or exc}") from None
-    sock.setblocking(False)
-    return sock
 
 
 class WorkerPool:

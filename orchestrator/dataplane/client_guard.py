@@ -32,11 +32,6 @@ from aiohttp.web_protocol import RequestHandler
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 LOG_INTERVAL_S = 10.0  # at most one line per this long for each kind of event
-# Connections the kernel keeps waiting for accept() on a public port. NGINX asks for 511 and
-# the bench's NGINX 4096; at 128 (aiohttp's default) 256 clients connecting at once overflow
-# it, their SYNs are dropped, and each waits out TCP's 1 s retransmit (2.8 s p99 on one
-# worker in bench/results/dataplane_bench-20261125T113841Z). The kernel caps it at somaxconn.
-LISTEN_BACKLOG = 4096
 
 
 @dataclass(frozen=True)

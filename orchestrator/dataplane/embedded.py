@@ -39,11 +39,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from orchestrator.config import Settings, parse_host_port
-from orchestrator.errors import OrchError
+from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer
-from orchestrator.dataplane.client_guard import LISTEN_BACKLOG, BodyTimeout, ClientLimits, GuardedServer
+from orchestrator.dataplane.accept import AcceptingSite, bind_listener
+from orchestrator.dataplane.client_guard import BodyTimeout, ClientLimits, GuardedServer
 from orchestrator.dataplane.headers import TrustedPeers, client_response_headers, upstream_request_headers
 from orchestrator.dataplane.hold import HoldGate
 from orchestrator.dataplane.response_head import RelayedResponse, response_head
@@ -224,24 +224,25 @@ class EmbeddedProxy:
 
     async def _listen(self, handler: Any, address: str, name: str) -> web.ServerRunner:
         flag = "--" + name.replace("_", "-")
-        host, port = parse_host_port(address, flag)
         server = GuardedServer(handler, limits=self._limits, log=self._log, handler_cancellation=True,
                                access_log=None, auto_decompress=False,
                                keepalive_timeout=CLIENT_KEEPALIVE_S, logger=self._http_log)
         self._servers.append(server)
         runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CANCEL_GRACE_S)
         await runner.setup()
+        # A worker serves the supervisor's socket, shared by every worker; a proxy in the
+        # daemon's own process binds its own, and its site closes it when it stops.
         sock = self._sockets.get(name)
+        owned = sock is None
         try:
-            # The backlog again for a socket the daemon bound: the event loop's create_server
-            # calls listen() on it with aiohttp's 128 otherwise.
-            if sock is not None:  # a worker: the supervisor's socket, shared by every worker
-                await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
-            else:
-                await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
-        except OSError as exc:
+            if sock is None:
+                sock = bind_listener(address, flag)
+            await AcceptingSite(runner, sock, self._log, owned=owned).start()
+        except BaseException:
             await runner.cleanup()
-            raise OrchError(f"{flag}={address!r}: cannot listen: {exc.strerror or exc}") from None
+            if owned and sock is not None:
+                sock.close()
+            raise
         return runner
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -1,0 +1,147 @@
+"""The public listening sockets: bound once, then accepted from many connections per wakeup.
+
+Why not the event loop's own server: uvloop (libuv >= 1.45) takes one connection per
+event-loop iteration, so that processes sharing a socket share its connections. A worker
+busy relaying runs ~30 ms per iteration, so 256 clients connecting at once waited up to
+seconds to be accepted. strace showed one accept4 per epoll_wait, and dataplane_bench
+measured a p99 of 2.8-4 s at one worker against NGINX's 25-150 ms. NGINX's `multi_accept on`
+takes every pending connection. `AcceptingSite` takes up to ACCEPT_BATCH per wakeup and
+hands each to the loop's `connect_accepted_socket`, which makes the transport and calls the
+protocol factory, as the loop's server would. It behaves the same on uvloop and on asyncio.
+
+The listening socket belongs to whoever bound it: the daemon for its workers (it passes the
+same socket to each, and keeps it open while a worker is replaced), or the proxy itself in a
+single process. A site stops accepting on `stop()`; it closes the socket only when it is the
+owner (`owned`): then new connections are refused at once, as a stopping NGINX refuses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import time
+from typing import Any
+
+from aiohttp import web
+
+from orchestrator.config import parse_host_port
+from orchestrator.errors import OrchError
+
+# Connections the kernel keeps waiting for accept() on a public port. NGINX asks for 511 and
+# the bench's NGINX 4096; at 128 (aiohttp's default) 256 clients connecting at once overflow
+# it, their SYNs are dropped, and each waits out TCP's 1 s retransmit. The kernel caps it at
+# net.core.somaxconn.
+LISTEN_BACKLOG = 4096
+# Per wakeup. The rest wait for the next iteration, and the other workers woken by the same
+# socket take their share meanwhile.
+ACCEPT_BATCH = 64
+# After running out of file descriptors or memory, as asyncio's own server does: accepting
+# again at once would spin on the same error.
+ACCEPT_PAUSE_S = 1.0
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def bind_listener(address: str, flag: str) -> socket.socket:
+    """A non-blocking listening TCP socket on `address` (inheritable through pass_fds)."""
+    host, port = parse_host_port(address, flag)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as exc:
+        raise OrchError(f"{flag}={address!r}: cannot listen: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class _Acceptor:
+    """What aiohttp's BaseSite keeps as its server: `sockets` (for the runner's addresses)
+    and `close()`. Owns the short tasks that wrap each accepted socket in a transport."""
+
+    def __init__(self, sock: socket.socket, factory: Any, log: logging.Logger, owned: bool = False) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sock = sock
+        self._owned = owned
+        self._factory = factory
+        self._log = log
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._resume: asyncio.TimerHandle | None = None
+        self._last_warning = 0.0
+        self.sockets = (sock,)
+
+    def start(self) -> None:
+        self._resume = None
+        self._loop.add_reader(self._sock.fileno(), self._accept_pending)
+
+    def _accept_pending(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue  # the client gave up while queued
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    raise
+                self._pause(exc)
+                return
+            conn.setblocking(False)
+            task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._wrapped)
+
+    def _wrapped(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The client left between accept and the transport: nothing to serve.
+            self._log.debug("accepted connection lost before serving: %r", task.exception())
+
+    def _pause(self, exc: OSError) -> None:
+        self._loop.remove_reader(self._sock.fileno())
+        self._resume = self._loop.call_later(ACCEPT_PAUSE_S, self.start)
+        now = time.monotonic()
+        if now - self._last_warning >= 10.0:
+            self._last_warning = now
+            self._log.warning("accept on %s: %s; not accepting for %.0f s", self._sock.getsockname(),
+                              exc.strerror, ACCEPT_PAUSE_S)
+
+    def close(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        else:
+            self._loop.remove_reader(self._sock.fileno())
+        for task in self._tasks:
+            task.cancel()  # a transport not made yet; the runner's shutdown closes the made ones
+        if self._owned:
+            self._sock.close()
+
+
+class AcceptingSite(web.BaseSite):
+    """aiohttp's SockSite with many accepts per wakeup (see the module's docstring)."""
+
+    __slots__ = ("_sock", "_log", "_owned")
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, log: logging.Logger, *, owned: bool) -> None:
+        super().__init__(runner, backlog=LISTEN_BACKLOG)
+        self._sock = sock
+        self._log = log
+        self._owned = owned
+
+    @property
+    def name(self) -> str:
+        host, port = self._sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        await super().start()
+        # Again for a socket bound elsewhere: a listen() by anyone else (an event loop's
+        # create_server passes aiohttp's 128) would have shrunk it.
+        self._sock.listen(LISTEN_BACKLOG)
+        server = self._runner.server
+        assert server is not None
+        acceptor = _Acceptor(self._sock, server, self._log, self._owned)
+        acceptor.start()
+        self._server = acceptor  # type: ignore[assignment]
