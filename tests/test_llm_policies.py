@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
-from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints, loads
+from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints, loads, requests
 from orchestrator.routing.prefix_index import PrefixIndex, chunk_keys
 from orchestrator.routing.prompt import prompt_of_grpc, prompt_of_json
 
@@ -35,8 +35,18 @@ def test_loads_add_foreign_work_and_kv_pressure():
     a = backend("0", snap(active=6, waiting=2, kv_used=50))
     b = backend("1", snap(active=1))
     load = loads([a, b], {"0": 2, "1": 1}, NOW)
-    # a: ours 2 + foreign (6+2-2) + 0.5 * 8 * 0.5 ; b: ours 1, nothing foreign
-    assert load == {"0": 2 + 6 + 2.0, "1": 1.0}
+    # a: ours 2 + foreign (6 - 2; its 2 waiting are among the 6 active) + 0.5 * 8 * 0.5;
+    # b: ours 1, nothing foreign
+    assert load == {"0": 2 + 4 + 2.0, "1": 1.0}
+
+
+def test_requests_waiting_for_kv_blocks_are_ours_not_foreign():
+    # TRT-LLM's waiting is active minus scheduled: all 8 active are the 8 we sent, 3 of
+    # them waiting for KV blocks. Counted again, they were 3 foreign requests.
+    a = backend("0", snap(active=8, waiting=3))
+    b = backend("1", snap(active=8))
+    assert loads([a, b], {"0": 8, "1": 8}, NOW) == {"0": 8.0, "1": 8.0}
+    assert requests([a, b], {"0": 8, "1": 8}, NOW) == {"0": 8.0, "1": 8.0}
 
 
 def test_one_stale_snapshot_means_inflight_counts_for_everyone():
@@ -134,6 +144,27 @@ def test_no_prompt_routes_by_load():
     policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
     assert policy.choose([a, b], (), {"0": 1}, None).instance_id == "1"
     assert policy.last_reason == "no-prompt"
+
+
+@pytest.mark.parametrize("prompt", [None, "x" * 3000], ids=["no-prompt", "prefix-miss"])
+def test_no_cached_prefix_means_the_fewest_requests_whatever_kv_the_running_ones_hold(prompt):
+    # Closed loop, 16 users on 2 x 8 slots: "0" runs a 3000-token prompt among its 7, "1" is
+    # full with 8 short ones. Counting the long prompt's KV blocks as load (7 + 0.5 * 8 * 0.6
+    # = 9.4 against 8 + 0.8) sent the next request to "1", to wait for a slot while "0" had one.
+    a = backend("0", snap(active=7, kv_used=60))
+    b = backend("1", snap(active=8, kv_used=10))
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    for _ in range(10):
+        assert policy.choose([a, b], (), {"0": 7, "1": 8}, RouteHints.from_prompt(prompt)).instance_id == "0"
+        assert policy.last_reason == ("no-prompt" if prompt is None else "prefix-miss")
+        policy.forget("0")
+
+
+def test_no_cached_prefix_still_counts_work_we_did_not_send():
+    a = backend("0", snap(active=6))  # 4 of them another proxy's
+    b = backend("1", snap(active=3))
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    assert policy.choose([a, b], (), {"0": 2, "1": 3}, None).instance_id == "1"
 
 
 def test_index_is_bounded_and_ages_out():

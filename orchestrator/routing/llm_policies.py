@@ -3,8 +3,12 @@
 Both measure an instance's load in requests:
     ours     requests this proxy has in flight there (exact, instant);
     foreign  requests the engine holds that we did not send (another proxy, a
-             direct client): active + waiting from its last snapshot, minus what we
-             had in flight there when that snapshot was taken (`InflightHistory`);
+             direct client): active + Triton's pending from its last snapshot, minus
+             what we had in flight there when that snapshot was taken
+             (`InflightHistory`). Not + waiting: TRT-LLM's `waiting` is active minus
+             scheduled, requests already counted in `active` (added twice, a request
+             blocked for KV blocks counted as a foreign one: 28 phantom requests per
+             instance on average in bench/routing_sim.py's s64/room4/mixed/closed);
     kv       KV-cache pressure: a nearly full cache makes new prompts wait for
              blocks whatever the free batch slots, so used/max counts as up to
              half a batch of extra load.
@@ -21,6 +25,23 @@ by `ours` alone, so loads stay comparable.
 chunks (their KV blocks are likely cached there: the prefill is skipped), but
 only while that instance's load is within `slack` requests of the least loaded
 one: a hot shared prefix must not pin all traffic to one instance.
+
+Where no holder is taken (no prompt, a prompt nobody served, every holder past the
+slack) no cache is at stake, and it picks by `requests` alone: least-outstanding,
+plus foreign work. KV blocks that running requests hold do not delay a new prompt
+until the cache is full, and counting them as load sent the next prompt away from
+an instance running a long one onto an instance with no free slot: in
+bench/routing_sim.py's s8/room4/mixed/closed (unique prompts, 20% of 1-3k tokens,
+16 users on 2 x 8 slots, 6 seeds x 60 s) 20% of choices went to the instance with
+more requests in flight than least-outstanding's pick, TTFT p50 74 ms and p90 350
+against its 63 and 320. By `requests` it makes least-outstanding's choices there.
+Tried and dropped: requests or the KV fraction times the slots, whichever is more
+(the engine as full as its fuller resource): on 64 slots one 3000-token prompt is 9
+"requests" by it, and open-loop mixed cells lost (s64/room4/mixed/r1 TTFT p90 683 ms
+against least-outstanding's 368).
+The weighing of a holder against the slack keeps `loads` (with the KV term): by
+requests alone there, the 64-slot tenant cells lost (s64/room1.5/uniform/r1 TTFT p90
+92 -> 156 ms, s64/room4/zipf/r1 126 -> 1551; least-outstanding 88 and 2772).
 """
 
 from __future__ import annotations
@@ -106,23 +127,44 @@ class InflightHistory:
         return found
 
 
-def loads(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
-          history: InflightHistory | None = None) -> dict[str, float]:
-    """instance_id -> load in requests (see the module doc)."""
+def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
+             history: InflightHistory | None) -> dict[str, tuple[int, int, float]]:
+    """instance_id -> (requests: ours + foreign, batch slots, KV fraction used); slots 0 and
+    fraction 0.0 for every candidate when any candidate's snapshot is stale."""
     snaps = {}
     for b in backends:
         snap = b.engine.fresh(now) if b.engine is not None else None
         if snap is None:
-            return {b.instance_id: float(inflight.get(b.instance_id, 0)) for b in backends}
+            return {b.instance_id: (inflight.get(b.instance_id, 0), 0, 0.0) for b in backends}
         snaps[b.instance_id] = snap
     out = {}
     for iid, snap in snaps.items():
         ours = inflight.get(iid, 0)
         then = history.at(iid, snap.at) if history is not None else None
-        foreign = max(0, snap.active + snap.queued - (ours if then is None else then))
-        capacity = snap.max_active or 1
-        out[iid] = ours + foreign + KV_WEIGHT * capacity * snap.kv_fraction
+        foreign = max(0, snap.active + snap.pending - (ours if then is None else then))
+        out[iid] = (ours + foreign, snap.max_active or 1, snap.kv_fraction)
     return out
+
+
+def _weighted(counted: Mapping[str, tuple[int, int, float]]) -> dict[str, float]:
+    return {iid: n + KV_WEIGHT * slots * kv for iid, (n, slots, kv) in counted.items()}
+
+
+def _requests(counted: Mapping[str, tuple[int, int, float]]) -> dict[str, float]:
+    return {iid: float(n) for iid, (n, _, _) in counted.items()}
+
+
+def loads(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
+          history: InflightHistory | None = None) -> dict[str, float]:
+    """instance_id -> load in requests, KV pressure added (see the module doc)."""
+    return _weighted(_counted(backends, inflight, now, history))
+
+
+def requests(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
+             history: InflightHistory | None = None) -> dict[str, float]:
+    """instance_id -> requests there, ours + foreign: the load of a choice with no cache at
+    stake (see the module doc)."""
+    return _requests(_counted(backends, inflight, now, history))
 
 
 def _least(candidates: list[Backend], load: Mapping[str, float], rng: random.Random) -> Backend:
@@ -176,10 +218,12 @@ class PrefixAffinity(_LoadAware):
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                hints: RouteHints | None = None) -> Backend | None:
-        measured = self._measure(backends, skip, inflight)
-        if measured is None:
+        candidates = [b for b in backends if b.instance_id not in skip]
+        if not candidates:
             return None
-        candidates, load, now = measured
+        now = self._clock()
+        counted = _counted(candidates, inflight, now, self.history)
+        load = _weighted(counted)
         keys = list(hints.prompt_keys) if hints is not None else []
         chosen = None
         if keys:
@@ -198,8 +242,8 @@ class PrefixAffinity(_LoadAware):
                 self.last_reason = "prefix-miss"
         else:
             self.last_reason = "no-prompt"
-        if chosen is None:
-            chosen = _least(candidates, load, self._rng)
+        if chosen is None:  # no cache at stake: how full each engine is, nothing more
+            chosen = _least(candidates, _requests(counted), self._rng)
         if keys:
             self.index.record(keys, chosen.instance_id)
         return self._chosen(now, backends, inflight, chosen)
