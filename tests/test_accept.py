@@ -8,10 +8,13 @@ import asyncio
 import errno
 import logging
 import socket
+import time
 
 import pytest
 
 from orchestrator.dataplane import accept
+from orchestrator.dataplane.accept_share import AcceptShare, queued
+from orchestrator.dataplane.shared_table import ALIVE_S, SharedTable
 
 uvloop = pytest.importorskip("uvloop")  # a dependency: the workers' loop
 
@@ -49,6 +52,19 @@ def iterations(loop: asyncio.AbstractEventLoop, n: int) -> None:
         loop.run_until_complete(asyncio.sleep(0))
 
 
+def close_all(loop: asyncio.AbstractEventLoop, transports: list[asyncio.BaseTransport],
+              clients: list[socket.socket], sock: socket.socket, table: SharedTable | None = None) -> None:
+    for t in transports:
+        t.close()
+    for c in clients:
+        c.close()
+    iterations(loop, 2)
+    loop.close()
+    sock.close()
+    if table is not None:
+        table.close()
+
+
 def test_a_burst_of_connections_is_served_within_a_few_loop_iterations_on_uvloop():
     """On uvloop the loop's own server takes one connection per iteration (libuv >= 1.45):
     a worker busy relaying would leave 150 clients waiting 150 iterations."""
@@ -63,13 +79,7 @@ def test_a_burst_of_connections_is_served_within_a_few_loop_iterations_on_uvloop
         assert len(made) == 150
         acceptor.close()
     finally:
-        for t in made:
-            t.close()
-        for c in clients:
-            c.close()
-        iterations(loop, 2)
-        loop.close()
-        sock.close()
+        close_all(loop, made, clients, sock)
 
 
 def test_a_stopped_acceptor_takes_no_more_connections_and_leaves_the_socket_to_its_owner():
@@ -142,4 +152,122 @@ def test_running_out_of_file_descriptors_pauses_accepting_then_resumes(monkeypat
         for c in clients:
             c.close()
         loop.close()
+        sock.close()
+
+
+# --- several workers on one socket (accept_share.py) ----------------------------------------
+class Served:
+    """A protocol factory that counts what it serves, as GuardedServer does."""
+
+    def __init__(self) -> None:
+        self.open_connections = 0
+        self.transports: list[asyncio.BaseTransport] = []
+
+    def __call__(self) -> asyncio.Protocol:
+        server = self
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                server.open_connections += 1
+                server.transports.append(transport)
+
+            def connection_lost(self, exc: BaseException | None) -> None:
+                server.open_connections -= 1
+
+        return Proto()
+
+
+def table_with_workers(tmp_path, *slots: int, accepting: bool = True) -> SharedTable:
+    table = SharedTable.create(tmp_path / "table")
+    now = time.monotonic()
+    for w in slots:
+        table.beat(w, now)
+        table.set_accepting(w, accepting)
+    return table
+
+
+def test_two_workers_on_one_socket_each_take_half_of_a_burst(tmp_path):
+    """Every worker is woken for the same connections; the first awake took all 64 of them
+    (the other 0) before each took only its share."""
+    loop = uvloop.new_event_loop()
+    sock = listener()
+    table = table_with_workers(tmp_path, 0, 1)
+    servers = [Served(), Served()]
+    # One kernel socket, two descriptors: two registrations, woken alike, as two processes are.
+    socks = [sock, sock.dup()]
+    clients = connect_all(sock.getsockname()[1], 64)
+    try:
+        async def scenario() -> list[accept._Acceptor]:
+            acceptors = [accept._Acceptor(s, srv, LOG, share=AcceptShare(table, w))
+                         for w, (s, srv) in enumerate(zip(socks, servers))]
+            for a in acceptors:
+                a.start()
+            for _ in range(20):
+                await asyncio.sleep(0.005)
+            return acceptors
+
+        acceptors = loop.run_until_complete(scenario())
+        served = [srv.open_connections for srv in servers]
+        assert sum(served) == 64 and min(served) >= 24, served
+        for a in acceptors:
+            a.close()
+    finally:
+        socks[1].close()
+        close_all(loop, [t for srv in servers for t in srv.transports], clients, sock, table)
+
+
+def test_a_peer_that_counts_as_under_its_share_but_never_accepts_delays_clients_only_briefly(tmp_path):
+    """Slot 1 is alive and accepting by the table, with no connection, and takes none: this
+    worker (slot 0) declines past its share, then serves every client within the bound."""
+    loop = uvloop.new_event_loop()
+    sock = listener()
+    table = table_with_workers(tmp_path, 0, 1)
+    server = Served()
+    clients = connect_all(sock.getsockname()[1], 20)
+    try:
+        async def scenario() -> float:
+            acceptor = accept._Acceptor(sock, server, LOG, share=AcceptShare(table, 0))
+            t0 = time.monotonic()
+            acceptor.start()
+            while server.open_connections < 20 and time.monotonic() - t0 < 2.0:
+                await asyncio.sleep(0.001)
+            acceptor.close()
+            return time.monotonic() - t0
+
+        took = loop.run_until_complete(scenario())
+        assert server.open_connections == 20
+        assert took < 0.5, took  # DEFER_MAX_S (20 ms), then one per DEFER_S (2 ms), on a busy box
+    finally:
+        close_all(loop, server.transports, clients, sock, table)
+
+
+def test_share_is_an_equal_part_of_open_and_waiting_connections_among_live_accepting_workers(tmp_path):
+    table = table_with_workers(tmp_path, 0, 1, 2)
+    table.set_connections(1, 10)
+    table.set_connections(2, 20)
+    clock = [time.monotonic()]
+    share = AcceptShare(table, 0, clock=lambda: clock[0])
+    assert share.budget(0, 30) == 20  # (0 + 10 + 20 + 30) / 3
+    assert table.connections(0) == 0  # it published what it holds
+    assert share.budget(25, 1) == 0  # past its share: left to the others
+    assert share.budget(15, 1) == 1  # under its share: ceil((15 + 1 + 30) / 3) = 16
+    # A peer that stops accepting, or whose heartbeat is stale, has no share.
+    table.set_accepting(2, False)
+    clock[0] += 1.0
+    assert share.budget(0, 30) == 20  # (0 + 10 + 30) / 2
+    clock[0] += ALIVE_S + 1.0
+    assert share.budget(0, 30) == 30  # every peer's heartbeat is stale: alone
+
+
+def test_queued_counts_the_listening_sockets_accept_queue():
+    sock = listener()
+    clients = connect_all(sock.getsockname()[1], 5)
+    try:
+        assert queued(sock) == 5
+        sock.setblocking(True)
+        sock.accept()[0].close()
+        assert queued(sock) == 4
+    finally:
+        for c in clients:
+            c.close()
         sock.close()

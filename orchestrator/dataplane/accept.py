@@ -9,6 +9,12 @@ takes every pending connection. `AcceptingSite` takes up to ACCEPT_BATCH per wak
 hands each to the loop's `connect_accepted_socket`, which makes the transport and calls the
 protocol factory, as the loop's server would. It behaves the same on uvloop and on asyncio.
 
+Where several workers accept from one socket, each takes only its share (`share`,
+accept_share.py): the first worker awake would otherwise take a whole burst. Past its share
+a worker stops watching the socket for DEFER_S and looks again, so a peer under its share
+takes the rest; after DEFER_MAX_S of declining it takes one per look whatever the shares
+say (a peer that counts as under its share may be busy or stuck).
+
 The listening socket belongs to whoever bound it: the daemon for its workers (it passes the
 same socket to each, and keeps it open while a worker is replaced), or the proxy itself in a
 single process. A site stops accepting on `stop()`; it closes the socket only when it is the
@@ -27,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from orchestrator.config import parse_host_port
+from orchestrator.dataplane.accept_share import AcceptShare, queued
 from orchestrator.errors import OrchError
 
 # Connections the kernel keeps waiting for accept() on a public port. NGINX asks for 511 and
@@ -40,6 +47,13 @@ ACCEPT_BATCH = 64
 # After running out of file descriptors or memory, as asyncio's own server does: accepting
 # again at once would spin on the same error.
 ACCEPT_PAUSE_S = 1.0
+# Past its share a worker looks again after DEFER_S; once it has declined for DEFER_MAX_S it
+# takes one per look. A peer under its share takes its part on its next loop iteration (up to
+# ~30 ms when busy relaying); one that does not (stuck, or not scheduled on a busy machine)
+# delays a burst's clients by DEFER_MAX_S + DEFER_S per connection at most, and only until
+# its heartbeat is stale (shared_table.ALIVE_S).
+DEFER_S = 0.002
+DEFER_MAX_S = 0.020
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -59,27 +73,63 @@ class _Acceptor:
     """What aiohttp's BaseSite keeps as its server: `sockets` (for the runner's addresses)
     and `close()`. Owns the short tasks that wrap each accepted socket in a transport."""
 
-    def __init__(self, sock: socket.socket, factory: Any, log: logging.Logger, owned: bool = False) -> None:
+    def __init__(self, sock: socket.socket, factory: Any, log: logging.Logger, owned: bool = False,
+                 share: AcceptShare | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._owned = owned
         self._factory = factory
         self._log = log
+        self._share = share
         self._tasks: set[asyncio.Task[Any]] = set()
         self._resume: asyncio.TimerHandle | None = None
+        self._declining_since: float | None = None
         self._last_warning = 0.0
         self.sockets = (sock,)
 
     def start(self) -> None:
         self._resume = None
         self._loop.add_reader(self._sock.fileno(), self._accept_pending)
+        if self._share is not None:
+            self._share.accepting(True)
+
+    def _open(self) -> int:
+        # Served by the protocol factory (GuardedServer counts them), plus those accepted
+        # whose transport is not made yet.
+        return getattr(self._factory, "open_connections", 0) + len(self._tasks)
+
+    def _batch(self) -> tuple[int, bool]:
+        """How many to accept on this wakeup, and whether to stop watching the socket for
+        DEFER_S after (past this worker's share: the rest are left to the other workers)."""
+        share = self._share
+        if share is None:
+            return ACCEPT_BATCH, False
+        waiting = queued(self._sock)
+        if waiting == 0:
+            self._declining_since = None  # a peer took them
+            return 0, False
+        n = share.budget(self._open(), waiting)
+        if n > 0:
+            self._declining_since = None
+            return min(ACCEPT_BATCH, n), False
+        now = self._loop.time()
+        if self._declining_since is None:
+            self._declining_since = now
+        # No peer took them in DEFER_MAX_S (busy or stuck): one per DEFER_S, clients first.
+        return int(now - self._declining_since >= DEFER_MAX_S), True
+
+    def _look_again(self) -> None:
+        if queued(self._sock) == 0:
+            self._declining_since = None  # the peers took them: a later burst starts anew
+        self.start()
 
     def _accept_pending(self) -> None:
-        for _ in range(ACCEPT_BATCH):
+        batch, defer = self._batch()
+        for _ in range(batch):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except ConnectionAbortedError:
                 continue  # the client gave up while queued
             except OSError as exc:
@@ -91,6 +141,11 @@ class _Acceptor:
             task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
             self._tasks.add(task)
             task.add_done_callback(self._wrapped)
+        if batch and self._share is not None:
+            self._share.publish(self._open())  # the peers woken by the same burst see these
+        if defer:
+            self._loop.remove_reader(self._sock.fileno())
+            self._resume = self._loop.call_later(DEFER_S, self._look_again)
 
     def _wrapped(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -100,6 +155,8 @@ class _Acceptor:
 
     def _pause(self, exc: OSError) -> None:
         self._loop.remove_reader(self._sock.fileno())
+        if self._share is not None:
+            self._share.accepting(False)
         self._resume = self._loop.call_later(ACCEPT_PAUSE_S, self.start)
         now = time.monotonic()
         if now - self._last_warning >= 10.0:
@@ -108,6 +165,8 @@ class _Acceptor:
                               exc.strerror, ACCEPT_PAUSE_S)
 
     def close(self) -> None:
+        if self._share is not None:
+            self._share.accepting(False)
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
@@ -122,13 +181,15 @@ class _Acceptor:
 class AcceptingSite(web.BaseSite):
     """aiohttp's SockSite with many accepts per wakeup (see the module's docstring)."""
 
-    __slots__ = ("_sock", "_log", "_owned")
+    __slots__ = ("_sock", "_log", "_owned", "_share")
 
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket, log: logging.Logger, *, owned: bool) -> None:
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, log: logging.Logger, *, owned: bool,
+                 share: AcceptShare | None = None) -> None:
         super().__init__(runner, backlog=LISTEN_BACKLOG)
         self._sock = sock
         self._log = log
         self._owned = owned
+        self._share = share
 
     @property
     def name(self) -> str:
@@ -142,6 +203,6 @@ class AcceptingSite(web.BaseSite):
         self._sock.listen(LISTEN_BACKLOG)
         server = self._runner.server
         assert server is not None
-        acceptor = _Acceptor(self._sock, server, self._log, self._owned)
+        acceptor = _Acceptor(self._sock, server, self._log, self._owned, self._share)
         acceptor.start()
         self._server = acceptor  # type: ignore[assignment]

@@ -43,6 +43,7 @@ from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer
 from orchestrator.dataplane.accept import AcceptingSite, bind_listener
+from orchestrator.dataplane.accept_share import AcceptShare
 from orchestrator.dataplane.client_guard import BodyTimeout, ClientLimits, GuardedServer
 from orchestrator.dataplane.headers import TrustedPeers, client_response_headers, upstream_request_headers
 from orchestrator.dataplane.hold import HoldGate
@@ -131,11 +132,12 @@ class EmbeddedProxy:
                  logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None,
                  openai_only: bool = False, *, shared: Any = None,
                  sockets: dict[str, socket.socket] | None = None,
-                 tally: Callable[[], None] | None = None) -> None:
+                 tally: Callable[[], None] | None = None, accept_share: AcceptShare | None = None) -> None:
         """shared: a data-plane worker's view of the global in-flight counts and its own row
         (Balancer); sockets: listening sockets by flag name ("listen", "metrics_listen"), bound
         by the worker's supervisor and shared by every worker, instead of binding our own;
-        tally: called once per answered request (the worker's count in the shared table)."""
+        tally: called once per answered request (the worker's count in the shared table);
+        accept_share: this worker's share of the shared public socket's connections."""
         self._settings = settings
         self._backends = backends
         self._log = logger or logging.getLogger("trtllm_orch.proxy")
@@ -147,6 +149,7 @@ class EmbeddedProxy:
         self._balancer = Balancer(settings.lb_policy, shared=shared)
         self._sockets = sockets or {}
         self._tally = tally
+        self._accept_share = accept_share
         self._surface = Surface()
         self.metrics = metrics or ProxyMetrics()  # shared with the gRPC proxy (make_proxies)
         self._hold = HoldGate(backends, settings.hold_s, settings.max_held,
@@ -237,7 +240,9 @@ class EmbeddedProxy:
         try:
             if sock is None:
                 sock = bind_listener(address, flag)
-            await AcceptingSite(runner, sock, self._log, owned=owned).start()
+            # Client connections are shared out among the workers; scrapes are not worth it.
+            share = self._accept_share if name == "listen" and not owned else None
+            await AcceptingSite(runner, sock, self._log, owned=owned, share=share).start()
         except BaseException:
             await runner.cleanup()
             if owned and sock is not None:

@@ -3,7 +3,7 @@
 Layout (native byte order, fixed offsets, no locks):
     header      magic, layout version, max workers, max instances
     inflight    [worker][instance] int32  requests in flight, written by that worker only
-    worker      [worker] pid, connections, held, heartbeat  written by that worker only
+    worker      [worker] pid, connections, held, accepting, heartbeat  written by that worker only
     requests    [worker] int64 requests answered             written by that worker only
     ejected     [instance] float64 monotonic time an ejection ends (0: none); any worker
                 writes it, last writer wins: an ejection is a fact every worker may learn
@@ -34,13 +34,16 @@ MAX_INSTANCES = 256
 
 _HEADER = struct.Struct("=QIII")
 _HEADER_SIZE = 64
-_WORKER_FIELDS = 4  # pid, connections, held, (spare)
+_WORKER_FIELDS = 4  # pid, connections, held, accepting (0 in a table of an older worker: not counted)
 _INFLIGHT_OFF = _HEADER_SIZE
 _WORKER_OFF = _INFLIGHT_OFF + 4 * MAX_WORKERS * MAX_INSTANCES
 _HEARTBEAT_OFF = _WORKER_OFF + 4 * MAX_WORKERS * _WORKER_FIELDS
 _REQUESTS_OFF = _HEARTBEAT_OFF + 8 * MAX_WORKERS
 _EJECTED_OFF = _REQUESTS_OFF + 8 * MAX_WORKERS
 SIZE = _EJECTED_OFF + 8 * MAX_INSTANCES
+# A worker whose heartbeat is older than this is not serving (stopped, stuck or dead): the one
+# definition used by /metrics' live count and by the accept share (accept_share.py).
+ALIVE_S = 2.0
 
 
 class TableError(Exception):
@@ -138,8 +141,9 @@ class SharedTable:
     def pid(self, worker: int) -> int:
         return self._i32[self._wcell(worker, 0)]
 
-    def add_connections(self, worker: int, delta: int) -> None:
-        self._i32[self._wcell(worker, 1)] += delta
+    def set_connections(self, worker: int, n: int) -> None:
+        """Client connections the worker holds open, as it last published them (accept_share.py)."""
+        self._i32[self._wcell(worker, 1)] = n
 
     def connections(self, worker: int) -> int:
         return self._i32[self._wcell(worker, 1)]
@@ -149,6 +153,12 @@ class SharedTable:
 
     def held(self, worker: int) -> int:
         return self._i32[self._wcell(worker, 2)]
+
+    def set_accepting(self, worker: int, on: bool) -> None:
+        self._i32[self._wcell(worker, 3)] = int(on)
+
+    def accepting(self, worker: int) -> bool:
+        return self._i32[self._wcell(worker, 3)] != 0
 
     def beat(self, worker: int, now: float) -> None:
         self._f64[(_HEARTBEAT_OFF >> 3) + worker] = now
@@ -168,6 +178,11 @@ class SharedTable:
 
     def ejected_until(self, instance: int) -> float:
         return self._f64[(_EJECTED_OFF >> 3) + instance]
+
+
+def alive(table: SharedTable, worker: int, now: float) -> bool:
+    beat = table.heartbeat(worker)
+    return beat != 0.0 and now - beat <= ALIVE_S
 
 
 class GlobalInflight(Mapping[str, int]):

@@ -8,12 +8,14 @@ runs the same proxies the daemon used to run in its own process (HTTP with the
 OpenAI API, gRPC, the data plane's /metrics) on listening sockets it inherits:
 one socket per public address, shared by every worker, so a worker that dies or
 is replaced never closes the port (the kernel's accept queue outlives any one
-worker). gRPC is the exception: grpcio binds its own socket, so each worker binds
-the gRPC port with SO_REUSEPORT.
+worker). Each worker takes its share of the connections waiting there
+(accept_share.py: the first one awake would take a whole burst). gRPC is the
+exception: grpcio binds its own socket, so each worker binds the gRPC port with
+SO_REUSEPORT.
 
 What it owns: its client connections, its upstream connection pool, its row of
-the shared table (in flight per instance, connections, held, requests, a
-heartbeat), its Prometheus files. What it does not: membership (the daemon
+the shared table (in flight per instance, connections, whether it accepts, held,
+requests, a heartbeat), its Prometheus files. What it does not: membership (the daemon
 publishes it over the feed), restarts of anything, other workers.
 
 It lives in its own session, so the daemon can die, restart or be upgraded while
@@ -40,6 +42,7 @@ from typing import Any
 
 from orchestrator import release
 from orchestrator.config import Settings, settings_from_json
+from orchestrator.dataplane.accept_share import AcceptShare
 from orchestrator.dataplane.away_probe import AwayProber
 from orchestrator.dataplane.feed import FeedClient
 from orchestrator.dataplane.membership import WorkerMembership
@@ -141,7 +144,8 @@ class Worker:
         # prefix index (HTTP and gRPC alike, so a prefix sent by either lands together).
         shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes)
         proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,
-                                            sockets=self._sockets, tally=lambda: table.add_requests(slot))]
+                                            sockets=self._sockets, tally=lambda: table.add_requests(slot),
+                                            accept_share=AcceptShare(table, slot))]
         if s.grpc_listen:
             from orchestrator.dataplane.grpc_proxy import GrpcProxy
             proxies.append(GrpcProxy(s, backends, self._log, metrics, shared=shared, reuseport=True))
@@ -235,10 +239,11 @@ class WorkerCollector:
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        from orchestrator.dataplane.shared_table import MAX_WORKERS
+        from orchestrator.dataplane.shared_table import ALIVE_S, MAX_WORKERS, alive
         t = self._table
         now = time.monotonic()
-        live = GaugeMetricFamily("trtllm_orch_dataplane_workers", "Data-plane workers alive (heartbeat < 2 s)")
+        live = GaugeMetricFamily("trtllm_orch_dataplane_workers",
+                                 f"Data-plane workers alive (heartbeat < {ALIVE_S:g} s)")
         inflight = GaugeMetricFamily("trtllm_orch_dataplane_worker_inflight_requests",
                                      "Requests in flight per data-plane worker", labels=("worker",))
         held = GaugeMetricFamily("trtllm_orch_dataplane_worker_held_requests",
@@ -248,8 +253,7 @@ class WorkerCollector:
                                        "filled)", labels=("worker",))
         n = 0
         for w in range(MAX_WORKERS):
-            beat = t.heartbeat(w)
-            if not beat or now - beat > 2.0:
+            if not alive(t, w, now):
                 continue
             n += 1
             label = (str(w),)
