@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as _dt
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -33,8 +31,7 @@ if str(REPO) not in sys.path:
 import psutil  # noqa: E402
 
 from bench import dataplane_bench as db  # noqa: E402
-from bench.common import free_port  # noqa: E402
-from bench.wrk import SseSource  # noqa: E402
+from bench.common import free_port, merged_rows, missing_tools, write_rows  # noqa: E402
 
 
 def held(pids: list[int], port: int) -> list[int | None]:
@@ -117,28 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", nargs="+", type=Path, help="JSON files of earlier runs: one result of their rows")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args(argv)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    machine = f"{len(os.sched_getaffinity(0))} cores, {os.uname().release}, Python {sys.version.split()[0]}"
     if args.merge:
-        rows = [r for path in args.merge for r in json.loads(path.read_text())["rows"]]
+        rows = merged_rows(args.merge)
     else:
-        for tool in ("nginx", "sse_source"):
-            if shutil.which(tool) is None:
-                print(f"accept_spread: {tool} not on PATH (../shared/tools/relay-kit packs it)", file=sys.stderr)
-                return 2
-        SseSource._binary = Path(shutil.which("sse_source"))  # type: ignore[arg-type]
+        if missing_tools("accept_spread", ("nginx", "sse_source")):
+            return 2
         rows = []
         for _ in range(args.rounds):
             rows += measure(args.workers, [int(x) for x in args.streams.split(",")], args.targets.split(","),
                             args.label)
-    result = {"stamp": stamp, "machine": machine, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"accept_spread-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"accept_spread-{stamp}.md").write_text(report(result))
-    from bench.common import write_plot
-    write_plot(path, result, plot)
-    print(report(result))
+    write_rows("accept_spread", rows, args.out, report, plot)
     return 0
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -383,3 +384,34 @@ class SideEmbedded:
 
 def daemon_pid(status: dict[str, Any]) -> int:
     return int(status["daemon"]["pid"])
+
+
+# --- row benchmarks: one run's rows, or several runs' rows merged (a tree against another) --------
+def missing_tools(bench: str, tools: tuple[str, ...]) -> bool:
+    """True (and one line on stderr) when a tool is not on PATH; points sse_source's runner at it."""
+    for tool in tools:
+        if shutil.which(tool) is None:
+            print(f"{bench}: {tool} not on PATH (../shared/tools/relay-kit packs it)", file=sys.stderr)
+            return True
+    if "sse_source" in tools:
+        from bench.wrk import SseSource
+        SseSource._binary = Path(shutil.which("sse_source"))  # type: ignore[arg-type]
+    return False
+
+
+def merged_rows(paths: list[Path]) -> list[dict[str, Any]]:
+    return [r for path in paths for r in json.loads(path.read_text())["rows"]]
+
+
+def write_rows(bench: str, rows: list[dict[str, Any]], out: Path, report: Callable[[dict[str, Any]], str],
+               draw: Callable[[dict[str, Any], Any], Any]) -> None:
+    """<out>/<bench>-<stamp>.{json,md,png} of `rows` measured on this machine; the report printed."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    machine = f"{len(os.sched_getaffinity(0))} cores, {os.uname().release}, Python {sys.version.split()[0]}"
+    result = {"stamp": stamp, "machine": machine, "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{bench}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.with_suffix(".md").write_text(report(result))
+    write_plot(path, result, draw)
+    print(report(result))

@@ -15,7 +15,8 @@ from pathlib import Path
 from bench.common import write_plot
 
 BENCHES = ("proxy_bench", "failover_bench", "rolling_bench", "startup_bench", "routing_bench",
-           "openai_bench", "dataplane_bench", "routing_sim", "live_restore_bench", "accept_spread")
+           "openai_bench", "dataplane_bench", "routing_sim", "live_restore_bench", "accept_spread",
+           "sustained_load")
 
 
 def plot_file(path: Path) -> Path | None:

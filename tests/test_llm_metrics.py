@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import aiohttp
 import pytest
@@ -17,7 +18,7 @@ from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.dataplane.embedded import EmbeddedProxy
 from orchestrator.dataplane.hold import HoldGate
 from orchestrator.dataplane.metrics import ProxyMetrics, SseCounter
-from orchestrator.dataplane.recent import RecentLLM, percentile
+from orchestrator.dataplane.recent import HIST_RATIO, RecentLLM
 
 pytestmark = pytest.mark.unit
 
@@ -36,11 +37,19 @@ def value(metrics: ProxyMetrics, name: str, **labels) -> float:
 
 # --- the last minute ------------------------------------------------------------------
 
-def test_percentile_is_nearest_rank():
-    values = [float(i) for i in range(1, 101)]
-    assert percentile(values, 0.5) == 50.0
-    assert percentile(values, 0.99) == 99.0
-    assert percentile([7.0], 0.99) == 7.0
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The exact nearest-rank percentile: what the bucket counts are checked against."""
+    rank = max(1, math.ceil(q * len(sorted_values) - 1e-9))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def test_bucket_percentiles_are_the_exact_nearest_rank_or_at_most_a_bucket_above():
+    from orchestrator.dataplane.recent import histogram_percentile, log_histogram
+    values = [float(i) / 1000 for i in range(1, 101)]
+    for q in (0.5, 0.99):
+        truth = percentile(values, q)
+        assert truth <= histogram_percentile(log_histogram(values), q) <= truth * HIST_RATIO
+    assert 0.007 <= histogram_percentile(log_histogram([0.007]), 0.99) <= 0.007 * HIST_RATIO
 
 
 def test_recent_window_rates_and_percentiles():
@@ -52,13 +61,41 @@ def test_recent_window_rates_and_percentiles():
     now[0] += 10
     s = rec.summary()["0"]
     assert s["generations"] == 10
-    assert s["ttft_p50_ms"] == 50.0 and s["ttft_p99_ms"] == 100.0
+    # read from log buckets: at most HIST_RATIO above the exact percentile, never below
+    assert 50.0 <= s["ttft_p50_ms"] <= 50.0 * HIST_RATIO + 0.1 and 100.0 <= s["ttft_p99_ms"] <= 100.0 * HIST_RATIO + 0.1
     assert s["tokens_per_s"] == 5.0  # 50 events over the 10 s this instance has been seen
     now[0] += 55  # the first 5 seconds fall out of the window
     s = rec.summary()["0"]
     assert s["generations"] == 5 and s["tokens_per_s"] == round(25 / 60, 1)
     now[0] += 120
     assert rec.summary() == {}  # idle for a whole window: forgotten
+
+
+def test_recent_percentiles_of_a_full_minute_stay_within_a_bucket_of_the_exact_ones():
+    """A minute of ended seconds is kept as bucket counts; its percentiles are the exact ones
+    or up to HIST_RATIO above, and a first token noted late for an ended second still counts."""
+    import random
+
+    rng = random.Random(7)
+    now = [1000.0]
+    rec = RecentLLM(window_s=60, clock=lambda: now[0])
+    values = []
+    for sec in range(60):
+        for k in range(300):
+            v = rng.lognormvariate(-3.0, 0.8)
+            values.append(v)
+            rec.first_token("0", v, 1000.0 + sec + k / 301)
+    now[0] = 1059.5
+    s = rec.summary(histogram=True)["0"]
+    exact = sorted(values)
+    for q, key in ((0.50, "ttft_p50_ms"), (0.99, "ttft_p99_ms")):
+        truth = percentile(exact, q) * 1000
+        assert truth - 0.05 <= s[key] <= truth * HIST_RATIO + 0.05, (key, s[key], truth)
+    assert sum(s["ttft_hist"].values()) == s["generations"] == 18_000
+    rec.first_token("0", 5.0, 1058.2)  # its second ended and was summarised already
+    s = rec.summary(histogram=True)["0"]
+    assert sum(s["ttft_hist"].values()) == s["generations"] == 18_001
+    assert s["ttft_p99_ms"] <= percentile(sorted(values + [5.0]), 0.99) * 1000 * HIST_RATIO + 0.05
 
 
 def test_workers_ttft_percentiles_merge_from_their_bucket_counts_not_by_averaging():
@@ -84,7 +121,7 @@ def test_workers_ttft_percentiles_merge_from_their_bucket_counts_not_by_averagin
     # One worker alone: its own exact figures; an older worker without counts: the mean.
     assert merge_llm_rows([fast])["ttft_p99_ms"] == fast["ttft_p99_ms"]
     old = {k: v for k, v in slow.items() if k != "ttft_hist"}
-    assert merge_llm_rows([fast, old])["ttft_p50_ms"] == round((99 * fast["ttft_p50_ms"] + 2000.0) / 100, 1)
+    assert merge_llm_rows([fast, old])["ttft_p50_ms"] == round((99 * fast["ttft_p50_ms"] + old["ttft_p50_ms"]) / 100, 1)
     # cost-model's picks add up, and its estimates' median error merges like the TTFTs (it
     # was dropped: `top` showed no ROUTE or EST ERR with data-plane workers).
     a, b = RecentLLM(clock=lambda: 1000.0), RecentLLM(clock=lambda: 1000.0)
