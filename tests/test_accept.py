@@ -251,10 +251,11 @@ def test_share_is_an_equal_part_of_open_and_waiting_connections_among_live_accep
     assert table.connections(0) == 0  # it published what it holds
     assert share.budget(25, 1) == 0  # past its share: left to the others
     assert share.budget(15, 1) == 1  # under its share: ceil((15 + 1 + 30) / 3) = 16
-    # A peer that stops accepting, or whose heartbeat is stale, has no share.
+    # A peer that stops accepting (at once, not at the next look at the slots), or whose
+    # heartbeat is stale, has no share.
     table.set_accepting(2, False)
-    clock[0] += 1.0
     assert share.budget(0, 30) == 20  # (0 + 10 + 30) / 2
+    clock[0] += 1.0
     clock[0] += ALIVE_S + 1.0
     assert share.budget(0, 30) == 30  # every peer's heartbeat is stale: alone
 

@@ -75,9 +75,11 @@ class AcceptShare:
             self._peers = tuple(w for w in range(MAX_WORKERS)
                                 if w != self._slot and self._table.accepting(w) and alive(self._table, w, now))
             self._peers_at = now
-        if not self._peers:
-            return waiting
         table = self._table
-        total = mine + waiting + sum(table.connections(w) for w in self._peers)
-        share = -(-total // (len(self._peers) + 1))  # the ceiling: someone takes the odd one
+        # The flag again on every call: a peer that began draining since takes no share.
+        peers = [w for w in self._peers if table.accepting(w)]
+        if not peers:
+            return waiting
+        total = mine + waiting + sum(table.connections(w) for w in peers)
+        share = -(-total // (len(peers) + 1))  # the ceiling: someone takes the odd one
         return max(0, min(waiting, share - mine))
