@@ -96,6 +96,12 @@ def test_recent_percentiles_of_a_full_minute_stay_within_a_bucket_of_the_exact_o
     s = rec.summary(histogram=True)["0"]
     assert sum(s["ttft_hist"].values()) == s["generations"] == 18_001
     assert s["ttft_p99_ms"] <= percentile(sorted(values + [5.0]), 0.99) * 1000 * HIST_RATIO + 0.05
+    # Seconds leave the window with their counts: 30 s later only the last half is counted.
+    now[0] = 1089.5
+    s = rec.summary(histogram=True)["0"]
+    kept = sorted(values[29 * 300:] + [5.0])
+    assert sum(s["ttft_hist"].values()) == s["generations"] == len(kept)
+    assert percentile(kept, 0.5) * 1000 - 0.05 <= s["ttft_p50_ms"] <= percentile(kept, 0.5) * 1000 * HIST_RATIO + 0.05
 
 
 def test_workers_ttft_percentiles_merge_from_their_bucket_counts_not_by_averaging():
