@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,7 +260,7 @@ def start_run(orch_run, extra=(), **kwargs):
 
 
 def fault_case(run, name: str, inject, *, detect_within: float, during=None,
-               restarts_added: int = 1) -> Outcome:
+               restarts_added: int | Callable[[], int] = 1) -> Outcome:
     """Inject a fault into instance 0 and check the common promises; return the timings."""
     before = {i["id"]: i for i in run.status()["instances"]}
     old0 = [psutil.Process(p) for p in before["0"]["pids"]]
@@ -289,7 +290,8 @@ def fault_case(run, name: str, inject, *, detect_within: float, during=None,
     assert not mon.errors, mon.errors[:5]
     after_all = {i["id"]: i for i in run.status()["instances"]}
     after = after_all["0"]
-    assert after["restarts"] == before["0"]["restarts"] + restarts_added, after
+    added = restarts_added() if callable(restarts_added) else restarts_added
+    assert after["restarts"] == before["0"]["restarts"] + added, after
     assert after["last_failure"], after
     new0 = set(after["pids"])
     assert new0 and not (new0 & old0_pids), (old0_pids, new0)
@@ -526,17 +528,23 @@ def test_port_taken_at_restart_then_released(orch_run):
         grab()
         assert grabbed.is_set(), f"could not take port {http} after the kill"
 
+    failures_seen = []
+
     def during(mon):
         # Held by us: the restart must fail in BACKOFF, naming the port and who holds it.
         s = mon.wait(lambda s: s.states["0"] == "BACKOFF" and f"{http}" in s.reasons["0"]
                      and "already in use" in s.reasons["0"], 30, "BACKOFF naming the port")
         print(f"\n[port taken] BACKOFF reason: {s.reasons['0']}")
         assert f"pid {os.getpid()}" in s.reasons["0"], s.reasons["0"]
+        failures_seen.append(int(re.search(r"(\d+)(?:st|nd|rd|th) failure", s.reasons["0"]).group(1)))
         holder.close()
 
     try:
-        # Two restarts: one after the kill, one after the start that found the port taken.
+        # One restart after the kill, then one per start that found the port taken: usually
+        # one; two when the monitor's status samples missed the first such BACKOFF (~1 s, seen
+        # once in a CI run on the loaded 2-core box) and the port was still ours at the next
+        # start. The reason that was seen counts the failures ("3rd failure in 600s").
         fault_case(run, "port taken at restart", inject, detect_within=SLACK_S, during=during,
-                   restarts_added=2)
+                   restarts_added=lambda: failures_seen[0])
     finally:
         holder.close()
