@@ -27,6 +27,7 @@ import pytest
 from orchestrator.config import Settings
 from orchestrator.errors import OrchError
 from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.routing.balancer import DEFAULT_COOLDOWN_S
 from tests.fakes import RecordingBackends
 from orchestrator.dataplane.grpc_proxy import GrpcProxy
 
@@ -353,12 +354,19 @@ def dead_backend() -> Backend:
 async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
     a, b = tritons
     proxy, ready = await proxy_factory((a.backend, b.backend))
-    sinks = Sinks(ready)
-    before = echo_counts(tritons)
     client = client_for(proxy)
     try:
-        # Concurrent calls: least-outstanding must use both instances.
-        results = await asyncio.gather(*(client.infer("echo", echo_inputs([i, i + 0.5]))
+        # Both upstream channels connected first: a connect that times out on a loaded machine
+        # cools that instance down for a second (Balancer.connect_failed), and calls made
+        # meanwhile rightly go to the other one (a CI run saw 4 and 36; cause not proven).
+        await asyncio.gather(*(client.infer("echo", echo_inputs([0.0], delay_ms=50)) for _ in range(4)))
+        await asyncio.sleep(DEFAULT_COOLDOWN_S + 0.1)
+        sinks = Sinks(ready)
+        answered_before, failed_before = len(sinks.successes), len(sinks.failures)
+        before = echo_counts(tritons)
+        # Concurrent calls: least-outstanding must use both instances. Each is held 100 ms
+        # there, so they overlap however slowly a loaded machine issues them.
+        results = await asyncio.gather(*(client.infer("echo", echo_inputs([i, i + 0.5], delay_ms=100))
                                          for i in range(40)))
     finally:
         await client.close()
@@ -368,7 +376,7 @@ async def test_unary_infer_spreads_over_both_instances(tritons, proxy_factory):
     assert sum(gained) == 40
     assert min(gained) >= 5, gained
     assert proxy.inflight() == {"0": 0, "1": 0}
-    assert not sinks.failures and len(sinks.successes) == 40
+    assert len(sinks.failures) == failed_before and len(sinks.successes) - answered_before == 40
 
 
 @pytest.mark.process
