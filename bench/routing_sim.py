@@ -16,8 +16,7 @@ start time and context tokens, the input/output histograms' sums and count); `ng
 least_conn (fewest in flight, ties in turn), `least-outstanding` ties at random. The
 cost model is told each request's observed TTFT, as the proxy tells it. The prompt-aware
 policies get the prefix index the data-plane workers share (dataplane/shared_prefix.py, as
-`up --proxy embedded` runs them; `--index local`: a policy's own PrefixIndex, which also
-keeps when each chunk was routed, what the shared one leaves to the policy's journal).
+`up --proxy embedded` runs them; `--index local`: a policy's own PrefixIndex).
 
 Faithful to: the engine's scheduling, KV accounting and eviction, timing in the twin's model,
 the scrape cadence. Not modelled: CPU (the real twin's iterations stretch when its host is
@@ -115,9 +114,7 @@ def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None =
         return cls(rng)
     kw = dict(policy_kw or {})
     if index_dir is not None and "index" in inspect.signature(cls).parameters:
-        # Its records count only after the instance's "forgotten" time, 0.0 in a new file: the
-        # index's clock runs INDEX_EPOCH_S ahead of the simulation's, which starts at 0.
-        kw["index"] = SharedPrefixIndex.create(Path(index_dir) / "prefixes", clock=lambda: clock() + INDEX_EPOCH_S)
+        kw["index"] = SharedPrefixIndex.create(Path(index_dir) / "prefixes", clock=clock)
     return cls(rng, clock=clock, **kw)
 
 
@@ -157,7 +154,10 @@ def _one_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: 
 def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: dict | None, jitter: float,
                    index_dir: str | None):
     now = [0.0]
-    clock = lambda: now[0]  # noqa: E731
+    # What the router sees runs INDEX_EPOCH_S ahead of the simulation, which starts at 0: the
+    # shared prefix index counts records only after an instance's "forgotten" time, 0.0 in a
+    # new file. Its clock, the policy's and the snapshots' times are one clock, as in a proxy.
+    clock = lambda: now[0] + INDEX_EPOCH_S  # noqa: E731
     cfg = EngineConfig(max_batch_size=cell.slots, max_tokens_in_paged_kv_cache=cell.kv_tokens,
                        tokens_per_block=rc.BLOCK, enable_kv_cache_reuse=True, decode_ms=rc.DECODE_MS,
                        prefill_ms_per_token=rc.PREFILL_MS)
@@ -229,7 +229,7 @@ def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy
             for i in range(n_inst):
                 s, h = stats[i], hist[i]
                 views[i].update(EngineSnapshot(
-                    at=t, active=s.active if s else 0, max_active=cell.slots, waiting=s.waiting if s else 0,
+                    at=t + INDEX_EPOCH_S, active=s.active if s else 0, max_active=cell.slots, waiting=s.waiting if s else 0,
                     scheduled=s.scheduled if s else 0, context=s.context if s else 0,
                     kv_max=cell.kv_tokens // rc.BLOCK, kv_used=s.kv_used if s else 0,
                     kv_free=s.kv_free if s else cell.kv_tokens // rc.BLOCK, tokens_per_block=rc.BLOCK,

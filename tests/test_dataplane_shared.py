@@ -99,6 +99,20 @@ def test_prefix_recorded_by_one_worker_matches_in_another(tmp_path):
     assert b.match(keys("x", 5))[1] == {"2": 2, "7": 3}
 
 
+def test_prefix_recency_is_when_any_worker_last_routed_each_holders_deepest_chunk(tmp_path):
+    clock = Clock()
+    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock)
+    b = SharedPrefixIndex.open(tmp_path / "p", clock=clock)
+    a.record(keys("x", 5), "2")
+    clock.t += 1
+    b.record(keys("x", 3), "7")
+    clock.t += 1
+    b.record(keys("x", 2), "2")  # its first two chunks again, through the other worker
+    assert a.match_recency(keys("x", 5)) == (5, {"2": (5, 1000.0), "7": (3, 1001.0)})
+    assert a.match_recency(keys("x", 2)) == (2, {"2": (2, 1002.0), "7": (2, 1001.0)})
+    assert b.match_recency(keys("y", 2)) == (2, {})
+
+
 def test_prefix_entries_age_out(tmp_path):
     clock = Clock()
     idx = SharedPrefixIndex.create(tmp_path / "p", slots=64, ttl_s=10.0, clock=clock)

@@ -105,20 +105,33 @@ class SharedPrefixIndex:
     # --- the PrefixIndex interface ------------------------------------------------------
     def match(self, keys: list[bytes]) -> tuple[int, dict[str, int]]:
         """For each instance, how many leading chunks of `keys` it holds (0 entries omitted)."""
+        n, found = self.match_recency(keys)
+        return n, {iid: depth for iid, (depth, _) in found.items()}
+
+    def match_recency(self, keys: list[bytes]) -> tuple[int, dict[str, tuple[int, float]]]:
+        """As `match`, with when each instance was last routed its deepest matched chunk (by any
+        worker): how long its engine has had to evict it since (routing/eviction.py)."""
         now = self._clock()
-        depth: dict[str, int] = {}
-        alive: set[int] | None = None
-        for n, key in enumerate(keys, 1):
-            found = self._find(_key16(key))
-            if found is None:
+        found: dict[str, tuple[int, float]] = {}
+        alive: dict[int, float] = {}
+        n = 0
+        for key in keys:
+            slot = self._find(_key16(key))
+            if slot is None:
                 break
-            current = self._live_holders(found[1], now)
-            alive = current if alive is None else alive & current  # the chain must be unbroken
+            current = self._live_holders(slot[1], now)
+            if n:  # the chain must be unbroken: only who held every chunk before
+                current = {idx: t for idx, t in current.items() if idx in alive}
+                for idx, t in alive.items():
+                    if idx not in current:
+                        found[str(idx)] = (n, t)
+            alive = current
             if not alive:
                 break
-            for idx in alive:
-                depth[str(idx)] = n
-        return len(keys), depth
+            n += 1
+        for idx, t in alive.items():
+            found[str(idx)] = (n, t)
+        return len(keys), found
 
     def record(self, keys: list[bytes], instance_id: str) -> None:
         idx = instance_index(instance_id)
@@ -150,16 +163,17 @@ class SharedPrefixIndex:
                 return off, _SLOT.unpack_from(mm, off)
         return None
 
-    def _live_holders(self, slot: tuple, now: float) -> set[int]:
+    def _live_holders(self, slot: tuple, now: float) -> dict[int, float]:
+        """Holder index -> when it was last routed this key, for the holders still valid."""
         times, ids = slot[1:1 + HOLDERS], slot[1 + HOLDERS:]
         forgotten = self._forgotten
         ttl = self.ttl_s
-        out = set()
+        out = {}
         for t, ident in zip(times, ids):
             if ident > 0:
                 idx = ident - 1
                 if idx < MAX_INSTANCES and now - t <= ttl and t > forgotten[idx]:
-                    out.add(idx)
+                    out[idx] = t
         return out
 
     def _record_one(self, key: bytes, idx: int, now: float) -> None:

@@ -281,7 +281,7 @@ class CostModel:
         if keys:
             if self._recency is not None:
                 depth = self._recency(keys)[1]
-            else:  # an index that keeps no times (the workers' shared one): the journal's
+            else:  # an index that keeps no times: the journal's
                 depth = {}
                 for iid, d in self.index.match(keys)[1].items():
                     inst = insts.get(iid)

@@ -5,9 +5,9 @@ and since when), and the prompt tokens routed there whose prefill has not happen
 (`Pending`); the lengths of the prompts routed (for the token ratio, tokens.py) and how far the
 estimates missed (`ErrorMeter`: near-equal costs are ties). Pure logic.
 
-When each chunk was last routed somewhere is also what an in-process PrefixIndex keeps
-(`match_recency`); the data plane's shared index (dataplane/shared_prefix.py) answers only who
-holds a chunk, so the policy looks the times up here.
+When each chunk was last routed somewhere is also what the prefix indexes keep (`match_recency`:
+an in-process PrefixIndex, and the data plane's shared one, dataplane/shared_prefix.py, where it
+is the last routing by any worker); the times here serve an index without it.
 
 The cost-model policy reads and writes one `Journal`. In one process that is everything
 routed; with several data-plane workers each worker's journal holds its own routings only,

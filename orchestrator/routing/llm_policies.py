@@ -24,7 +24,11 @@ by `ours` alone, so loads stay comparable.
 `prefix-affinity` sends a prompt to an instance that already served its leading
 chunks (their KV blocks are likely cached there: the prefill is skipped), but
 only while that instance's load is within `slack` requests of the least loaded
-one: a hot shared prefix must not pin all traffic to one instance.
+one: a hot shared prefix must not pin all traffic to one instance. A holder whose
+engine has surely evicted the prefix since it was last routed there (eviction.py:
+it computed a free pool's worth of blocks since) is no holder: where every holder
+is such, the prompt routes as a miss (reason `prefix-evicted`), and a prefix split
+between two caches goes back to the copy that is left.
 
 Where no holder is taken (no prompt, a prompt nobody served, every holder past the
 slack) no cache is at stake, and it picks by `requests` alone: least-outstanding,
@@ -54,6 +58,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.routing.backends import Backend
+from orchestrator.routing.eviction import KvWrites
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex, chunk_keys
 
 KV_WEIGHT = 0.5  # a full KV cache counts as half a batch of extra requests
@@ -215,6 +220,10 @@ class PrefixAffinity(_LoadAware):
         super().__init__(rng, clock)
         self.index = index if index is not None else PrefixIndex(clock=clock)
         self.slack = slack
+        # An index that keeps when each prefix was routed where lets a holder whose engine has
+        # surely evicted it since count as none (eviction.py); one that does not, never.
+        self._recency = getattr(self.index, "match_recency", None)
+        self._writes: dict[str, KvWrites] = {}
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                hints: RouteHints | None = None) -> Backend | None:
@@ -224,10 +233,12 @@ class PrefixAffinity(_LoadAware):
         now = self._clock()
         counted = _counted(candidates, inflight, now, self.history)
         load = _weighted(counted)
+        if self._recency is not None:
+            self._observe(candidates)
         keys = list(hints.prompt_keys) if hints is not None else []
         chosen = None
         if keys:
-            _, depth = self.index.match(keys)
+            depth, gone = self._held(keys)
             holders = [b for b in candidates if depth.get(b.instance_id)]
             if holders:
                 low = min(load.values())
@@ -239,7 +250,7 @@ class PrefixAffinity(_LoadAware):
                 else:
                     self.last_reason = "prefix-overloaded"  # the starvation guard
             else:
-                self.last_reason = "prefix-miss"
+                self.last_reason = "prefix-evicted" if gone else "prefix-miss"
         else:
             self.last_reason = "no-prompt"
         if chosen is None:  # no cache at stake: how full each engine is, nothing more
@@ -248,5 +259,34 @@ class PrefixAffinity(_LoadAware):
             self.index.record(keys, chosen.instance_id)
         return self._chosen(now, backends, inflight, chosen)
 
+    def _observe(self, candidates: Sequence[Backend]) -> None:
+        """Each engine's latest counters (every decision sees the scrapes: eviction.py)."""
+        writes = self._writes
+        for b in candidates:
+            snap = b.engine.latest if b.engine is not None else None
+            if snap is not None:
+                w = writes.get(b.instance_id)
+                if w is None:
+                    w = writes[b.instance_id] = KvWrites()
+                w.observe(snap)
+
+    def _held(self, keys: list[bytes]) -> tuple[dict[str, int], bool]:
+        """Instance -> leading chunks of `keys` it likely holds; and whether a holder the index
+        names was left out as surely evicted since (eviction.py)."""
+        if self._recency is None:
+            return self.index.match(keys)[1], False
+        found = self._recency(keys)[1]
+        writes = self._writes
+        depth: dict[str, int] = {}
+        gone = False
+        for iid, (d, routed_at) in found.items():
+            w = writes.get(iid)
+            if w is not None and w.gone(routed_at):
+                gone = True
+            else:
+                depth[iid] = d
+        return depth, gone
+
     def forget(self, instance_id: str) -> None:
         self.index.forget_instance(instance_id)
+        self._writes.pop(instance_id, None)

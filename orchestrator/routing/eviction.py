@@ -1,0 +1,104 @@
+"""Whether a prompt prefix routed to an instance is surely gone from its KV cache by now, from
+what its engine reported since. Pure logic.
+
+The prefix index (prefix_index.py, dataplane/shared_prefix.py) remembers where each prefix was
+routed for ten minutes; an engine keeps it far shorter when its cache is busy. While a request
+that uses the prefix runs, its blocks are held. After that they sit in the free pool as
+reusable blocks, and each block the engine computes later takes a free one: plain free blocks
+first, then the cached one used least recently (TRT-LLM's block reuse; demo/twin/kvcache.py).
+So the prefix is surely gone once, since it was last routed there, the engine
+
+  - finished at least as many requests as it runs at once (so the request that carried the
+    prefix is no longer holding it), and
+  - computed at least as many blocks as its free pool holds now: everything that was free,
+    the prefix included, has been handed out since.
+
+"Surely gone", not an estimate of how much is left (cost_model.cached_blocks does that): a
+holder judged gone that still has the prefix loses it a request, and for a shared prefix it
+splits the tenant between two caches for good (llm_policies' DEFAULT_SLACK). A gone prefix
+judged present costs what it cost before this test existed: the request is sent to wait for a
+cache it will not find. That is the multi-turn chat cell of bench/routing_cells.py on 8 slots
+(its caches hold two or three conversations, every turn's history is evicted before the next
+turn): prefix-affinity kept each conversation where its history had been, its instances queued,
+TTFT p90 1.34-1.50 x NGINX least_conn's on the GPU machine (bench/README.md).
+
+What the engine computed comes from its cumulative counters, which every data-plane worker
+receives alike (dataplane/feed.py), so every worker judges alike: the prompt and output tokens
+of the requests it finished (nv_llm_input/output_token_len's sums) over the block size, and the
+prompt blocks it took from the cache (`reused`). Those move at different instants: a reuse when
+a request starts, its tokens when it ends, seconds apart when requests queue. Subtracting the
+reuses of a span from the tokens of the same span was wrong by whole prompts: on the GPU
+machine (routing_matrix_device.sh, 8 tenants of 2048-token prefixes, 32 blocks of 33.5 reused)
+a span in which queued requests finished counted their 33.5 blocks each as computed, and
+prefixes still cached were judged gone (TTFT p90 617-743 ms -> 1442-3950, KV hit 0.86 -> 0.76).
+So the prompt blocks of a span count at the hit rate of the whole kept window (KEEP_S), where
+starts and ends balance: computed = prompt blocks x (1 - hit rate) + output blocks.
+Where an engine exports no such counters (older TRT-LLM versions), they stay 0 and nothing is
+judged gone: prefix-affinity routes as it did before.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import deque
+
+from orchestrator.health.engine_state import EngineSnapshot
+
+# Samples kept: a prefix last routed before the oldest is judged on what was computed since the
+# oldest (a lower bound). At one scrape per 100 ms, 600 samples per instance.
+KEEP_S = 60.0
+
+
+class KvWrites:
+    """One instance's engine at each scrape: prompt blocks, output blocks, reused blocks and
+    requests finished, cumulative."""
+
+    __slots__ = ("_at", "_prompt", "_output", "_reused", "_finished", "free", "running")
+
+    def __init__(self) -> None:
+        self._at: deque[float] = deque()
+        self._prompt: deque[float] = deque()
+        self._output: deque[float] = deque()
+        self._reused: deque[int] = deque()
+        self._finished: deque[int] = deque()
+        self.free = 0  # free blocks (plain and cached) at the last scrape
+        self.running = 0  # requests the engine runs at once
+
+    def observe(self, snap: EngineSnapshot) -> None:
+        """A snapshot of this instance's engine (the same one again changes nothing)."""
+        at = self._at
+        if at and snap.at <= at[-1]:
+            return
+        tpb = snap.tokens_per_block
+        if not tpb:
+            return
+        series = (at, self._prompt, self._output, self._reused, self._finished)
+        if self._finished and (snap.finished < self._finished[-1] or snap.kv_reused < self._reused[-1]):
+            for q in series:  # the engine restarted: its counters began again
+                q.clear()
+        for q, v in zip(series, (snap.at, snap.input_tokens / tpb, snap.output_tokens / tpb, snap.kv_reused,
+                                 snap.finished)):
+            q.append(v)
+        while len(at) > 2 and at[1] < snap.at - KEEP_S:
+            for q in series:
+                q.popleft()
+        self.free = snap.kv_free
+        # Requests waiting for KV blocks: the batch is what the cache lets run, not the slots.
+        self.running = snap.scheduled if snap.waiting > 0 and snap.scheduled > 0 else snap.max_active
+
+    def gone(self, routed_at: float) -> bool:
+        """Whether a prefix last routed here at monotonic `routed_at` is surely evicted by now."""
+        at = self._at
+        # From the first scrape after it: what finished between the routing and that scrape is
+        # not counted (the verdict errs towards "still there"). Routed before the oldest kept
+        # scrape: what was computed since the oldest, a lower bound.
+        i = bisect_right(at, routed_at)
+        if i >= len(at):
+            return False  # nothing scraped since
+        if self._finished[-1] - self._finished[i] < max(1, self.running):
+            return False
+        prompt = self._prompt
+        window = prompt[-1] - prompt[0]
+        hit = min(1.0, (self._reused[-1] - self._reused[0]) / window) if window > 0 else 0.0
+        computed = (prompt[-1] - prompt[i]) * (1.0 - hit) + self._output[-1] - self._output[i]
+        return computed >= max(1, self.free)

@@ -1,0 +1,187 @@
+"""routing/eviction.py: whether a prefix routed to an instance is surely gone from its KV cache,
+judged from the engine's own counters, and what prefix-affinity does with the verdict."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchestrator.health.engine_state import EngineSnapshot, EngineView
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.eviction import KEEP_S, KvWrites
+from orchestrator.routing.llm_policies import PrefixAffinity, RouteHints
+from orchestrator.routing.prefix_index import PrefixIndex
+
+pytestmark = pytest.mark.unit
+
+TPB = 64
+
+
+def engine(at, finished=0, prompt_tokens=0, output_tokens=0, reused=0, free=100, max_active=8, waiting=0,
+           scheduled=0):
+    return EngineSnapshot(at=at, max_active=max_active, waiting=waiting, scheduled=scheduled, kv_max=200,
+                          kv_free=free, kv_used=200 - free, tokens_per_block=TPB, kv_reused=reused,
+                          iteration=1.0, input_tokens=prompt_tokens, finished=finished,
+                          output_tokens=output_tokens)
+
+
+def written(finished, blocks, reused=0, free=100, at=10.0, **kw):
+    """An engine that, since t=1, finished `finished` requests computing `blocks` new blocks."""
+    w = KvWrites()
+    w.observe(engine(1.0, free=free, **kw))
+    w.observe(engine(at, finished=finished, prompt_tokens=(blocks + reused) * TPB, reused=reused, free=free, **kw))
+    return w
+
+
+def test_gone_once_a_free_pool_of_blocks_was_computed_by_as_many_requests_as_run():
+    assert written(finished=8, blocks=100).gone(0.5)
+    assert not written(finished=8, blocks=99).gone(0.5)  # one block of the pool may still be it
+    assert not written(finished=7, blocks=500).gone(0.5)  # the request that carried it may still hold it
+
+
+def test_cache_hits_are_not_writes():
+    # 40 requests of a tenant whose prefix is cached: 400 prompt blocks, all but 40 reused.
+    assert not written(finished=40, blocks=40, reused=360).gone(0.5)
+
+
+def test_reuses_counted_at_the_start_do_not_make_requests_finishing_later_count_whole():
+    # 10 queued requests of a cached tenant start (their 32 reused blocks each counted then),
+    # and finish after the prefix was routed again: their prompt tokens arrive in a span that
+    # holds none of their reuse. Counted whole, 335 blocks, more than the free pool.
+    w = KvWrites()
+    w.observe(engine(1.0))
+    w.observe(engine(5.0, reused=320))
+    w.observe(engine(7.0, reused=320))
+    w.observe(engine(10.0, finished=10, prompt_tokens=335 * TPB, reused=320))
+    assert not w.gone(6.0)
+    # A tenant whose prompts the cache did not hold: the same span is computed blocks.
+    w = KvWrites()
+    w.observe(engine(1.0))
+    w.observe(engine(7.0))
+    w.observe(engine(10.0, finished=10, prompt_tokens=335 * TPB))
+    assert w.gone(6.0)
+
+
+def test_a_kv_bound_engine_runs_fewer_than_its_slots():
+    # 3 of 8 slots scheduled while others wait for blocks: 3 finished requests are enough.
+    assert written(finished=3, blocks=20, free=10, waiting=5, scheduled=3).gone(0.5)
+    assert not written(finished=3, blocks=20, free=10).gone(0.5)
+
+
+def test_only_what_came_after_the_routing_counts():
+    w = KvWrites()
+    w.observe(engine(1.0))
+    w.observe(engine(2.0, finished=8, prompt_tokens=100 * TPB))
+    w.observe(engine(3.0, finished=9, prompt_tokens=101 * TPB))
+    assert w.gone(0.5)  # before both: 9 requests, 101 blocks
+    assert not w.gone(1.5)  # after the big one: 1 request, 1 block
+    assert not w.gone(3.0)  # nothing scraped since
+
+
+def test_no_counters_or_no_block_size_judges_nothing_gone():
+    w = KvWrites()
+    assert not w.gone(0.0)
+    for t in range(1, 50):  # an engine that exports no histograms and no reuse
+        w.observe(EngineSnapshot(at=float(t), max_active=8, kv_max=200, kv_free=0, tokens_per_block=TPB,
+                                 iteration=float(t)))
+    assert not w.gone(0.5)
+    w2 = KvWrites()
+    w2.observe(engine(1.0))
+    w2.observe(EngineSnapshot(at=2.0, finished=50, input_tokens=10**6, iteration=1.0))  # no tokens_per_block
+    assert not w2.gone(0.5)
+
+
+def test_an_engine_restart_starts_the_count_again():
+    w = written(finished=8, blocks=100)
+    w.observe(engine(11.0, finished=1, prompt_tokens=2 * TPB))  # counters went back
+    assert not w.gone(0.5)
+
+
+def test_samples_are_kept_for_a_window_and_older_routings_get_a_lower_bound():
+    w = KvWrites()
+    for t in range(0, int(3 * KEEP_S)):
+        w.observe(engine(float(t), finished=t // 10, prompt_tokens=(t // 10) * TPB))
+    assert len(w._at) <= KEEP_S + 2
+    # routed long before the oldest kept sample: what was computed in the window (~6 requests,
+    # ~6 blocks) is too little for a pool of 100
+    assert not w.gone(-1000.0)
+    w.observe(engine(3 * KEEP_S, finished=100, prompt_tokens=300 * TPB))
+    assert w.gone(-1000.0)
+
+
+# --- prefix-affinity with the verdict -------------------------------------------------------------
+SYSTEM = "You are a helpful assistant for tenant {0}. " * 40  # ~1.6k chars: several chunks
+
+
+def hints(tenant: int, question: str) -> RouteHints:
+    return RouteHints.from_prompt(SYSTEM.format(tenant) + question)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def backends_at(clock, *snaps):
+    out = []
+    for i, s in enumerate(snaps):
+        view = EngineView(stale_after_s=1.0)
+        view.update(s)
+        out.append(Backend(str(i), "127.0.0.1", 1, 2, 3, engine=view))
+    return out
+
+
+def scrape(backends, *snaps):
+    for b, s in zip(backends, snaps):
+        b.engine.update(s)
+
+
+def test_a_holder_that_surely_evicted_the_prefix_is_a_miss():
+    clock = Clock()
+    policy = PrefixAffinity(random.Random(1), clock=clock, index=PrefixIndex(clock=clock))
+    bs = backends_at(clock, engine(clock.t), engine(clock.t))
+    holder = policy.choose(bs, (), {}, hints(1, "turn 1")).instance_id
+    other = "1" if holder == "0" else "0"
+    # The holder has one more request in flight: within the slack, the prefix keeps it there...
+    inflight = {holder: 1, other: 0}
+    clock.t += 1.0
+    assert policy.choose(bs, (), inflight, hints(1, "turn 2")).instance_id == holder
+    assert policy.last_reason == "prefix"
+    # ...until its engine has computed a free pool's worth of blocks since (other prompts).
+    clock.t += 0.1
+    scrape(bs, engine(clock.t), engine(clock.t))
+    policy.choose(bs, (), inflight, None)  # (no prompt: routes by load, sees the scrape)
+    clock.t += 5.0
+    snaps = {holder: engine(clock.t, finished=20, prompt_tokens=150 * TPB), other: engine(clock.t)}
+    scrape(bs, snaps["0"], snaps["1"])
+    assert policy.choose(bs, (), inflight, hints(1, "turn 3")).instance_id == other
+    assert policy.last_reason == "prefix-evicted"
+
+
+def test_a_split_prefix_goes_back_to_the_copy_that_is_left():
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    policy = PrefixAffinity(random.Random(1), clock=clock, index=index)
+    bs = backends_at(clock, engine(clock.t), engine(clock.t))
+    policy.choose(bs, (), {}, hints(9, "another tenant"))  # the policy sees the engines before
+    keys = list(hints(4, "q").prompt_keys)
+    index.record(keys, "0")  # routed to both: a spill made a second copy
+    clock.t += 1.0
+    index.record(keys, "1")
+    clock.t += 0.1
+    scrape(bs, engine(clock.t), engine(clock.t))
+    policy.choose(bs, (), {}, hints(9, "another tenant"))
+    clock.t += 1.0
+    # Instance 1 then computed a whole pool of other prompts; instance 0 kept serving the tenant
+    # (its prompts reused the prefix: little was written).
+    index.record(keys, "0")
+    clock.t += 1.0
+    scrape(bs, engine(clock.t, finished=30, prompt_tokens=300 * TPB, reused=280),
+           engine(clock.t, finished=30, prompt_tokens=300 * TPB))
+    # Instance 0 carries 3 more requests: by load alone the tenant would go to 1.
+    assert policy.choose(bs, (), {"0": 3, "1": 0}, hints(4, "q2")).instance_id == "0"
+    assert policy.last_reason == "prefix"
