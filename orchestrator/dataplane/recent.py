@@ -51,14 +51,6 @@ class _Second:
             self.err_hist = log_histogram(sorted(self.est_err))
             self.est_err = None
 
-    def ttft_counts(self) -> dict[str, int]:
-        return self.ttft_hist if self.ttft_hist is not None else log_histogram(sorted(self.ttft))
-
-    def err_counts(self) -> dict[str, int] | None:
-        if self.err_hist is not None:
-            return self.err_hist
-        return log_histogram(sorted(self.est_err)) if self.est_err else None
-
 
 # Percentiles of several workers' windows cannot be merged; counts in shared buckets can.
 # Each worker also sends its window's TTFTs (and estimate errors) as counts per log bucket: bucket i holds
@@ -207,10 +199,10 @@ class RecentLLM:
             errors = +w.errors
             routes: dict[str, int] = {}
             for s in seconds:
-                if s.ttft_hist is None:  # the second under way
-                    ttft.update(s.ttft_counts())
+                if s.ttft_hist is None:  # the second under way: not in the window's sums yet
+                    ttft.update(log_histogram(sorted(s.ttft)))
                     if s.est_err:
-                        errors.update(s.err_counts() or {})
+                        errors.update(log_histogram(sorted(s.est_err)))
                 if s.routes:
                     for reason, k in s.routes.items():
                         routes[reason] = routes.get(reason, 0) + k
