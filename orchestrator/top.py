@@ -27,6 +27,7 @@ from rich.text import Text
 
 from orchestrator.controlplane.control_socket import call
 from orchestrator.errors import EXIT_OK, DaemonNotRunning, OrchError
+from orchestrator.routing.llm_policies import ROUTE_KINDS
 
 REFRESH_S = 0.5
 _STATE_STYLE = {"READY": "bold green", "UNHEALTHY": "bold yellow", "STARTING": "cyan",
@@ -70,8 +71,14 @@ def _gpu_cells(gpus: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def _routes(routes: dict[str, int] | None) -> str:
-    """The cost-model's picks of the last minute: % prefix hit / miss / spill ("-" otherwise)."""
-    counts = [(routes or {}).get(k, 0) for k in ("hit", "miss", "spill")]
+    """The last minute's picks of a prompt-aware policy: % prefix hit / miss / spill ("-" for
+    another policy, or no prompt at stake)."""
+    kinds = {"hit": 0, "miss": 0, "spill": 0}
+    for reason, n in (routes or {}).items():
+        kind = ROUTE_KINDS.get(reason)
+        if kind is not None:
+            kinds[kind] += n
+    counts = list(kinds.values())
     total = sum(counts)
     return "/".join(f"{100 * c / total:.0f}" for c in counts) if total else "-"
 

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from orchestrator.progress import LoadProgress, last_meaningful, meaningful, plain_line, rows
-from orchestrator.top import render
+from orchestrator.top import instance_row, render
 
 pytestmark = pytest.mark.unit
 
@@ -200,3 +200,13 @@ def test_log_lines_and_reasons_are_not_read_as_markup():
     assert "rank 0: [twin tensorrt_llm] loading" in text_of(LoadProgress(terminal=True).render(insts))
     status = {**STATUS, "instances": [{**STATUS["instances"][1], "reason": "[bold] not markup"}]}
     assert "[bold] not markup" in text_of(render(status))
+
+
+def test_route_column_reads_prefix_affinity_reasons_as_hit_miss_spill():
+    inst = STATUS["instances"][0]
+    routes = {"prefix": 6, "prefix-miss": 1, "prefix-evicted": 1, "prefix-overloaded": 2, "no-prompt": 40}
+    status = {**STATUS, "instances": [dict(inst, llm={**inst["llm"], "routes": routes})]}
+    out = text_of(render(status), width=220)
+    assert "ROUTE h/m/s" in out and "60/20/20" in out  # no-prompt picks had no prefix at stake
+    row = instance_row(dict(inst, llm={**inst["llm"], "routes": {"no-prompt": 5, "load": 3}}))
+    assert row[-4] == "-"  # the ROUTE cell: nothing with a prefix at stake

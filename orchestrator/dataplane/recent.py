@@ -219,7 +219,7 @@ class RecentLLM:
             }
             if histogram:
                 out[instance]["ttft_hist"] = dict(ttft)
-            if routes:  # routing reasons of the last minute (cost-model's hit/miss/spill/load)
+            if routes:  # routing reasons of the last minute (the policy's own words)
                 out[instance]["routes"] = routes
             if errors:  # median relative error of its TTFT estimates
                 out[instance]["ttft_est_err"] = round(histogram_percentile(errors, 0.5), 3)

@@ -76,6 +76,14 @@ KV_WEIGHT = 0.5  # a full KV cache counts as half a batch of extra requests
 DEFAULT_SLACK = 12.0
 
 
+# Every prompt-aware policy's reasons as what they did to a cached prefix: `top`'s ROUTE h/m/s
+# column (the share of the last minute's picks of an instance). cost-model's own words, and
+# prefix-affinity's: a holder taken (hit), none or none left (miss), every holder past the slack
+# (spill). Reasons without a prompt at stake (no-prompt, load) are none of them.
+ROUTE_KINDS = {"hit": "hit", "miss": "miss", "spill": "spill",
+               "prefix": "hit", "prefix-miss": "miss", "prefix-evicted": "miss", "prefix-overloaded": "spill"}
+
+
 @dataclass(frozen=True)
 class RouteHints:
     """What a policy may know about the request; built by the proxy, only when the policy wants it."""
