@@ -216,3 +216,34 @@ async def test_connection_cap_refuses_with_one_log_line(stack, caplog):
 def test_limits_must_be_positive(name):
     with pytest.raises(UsageError, match="--" + name.replace("_", "-")):
         Settings(**{name: 0})
+
+
+async def test_a_connection_accepted_just_before_stop_is_answered_not_reset(stack):
+    # A reload drains a worker while clients connect: one accepted a moment before the stop,
+    # whose request is still on the way, gets its answer (then the connection closes); aiohttp
+    # alone closed it at pre_shutdown and its request met a reset.
+    s = await stack()
+    server = s.proxy._servers[0]
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+    silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", s.port)
+    deadline = time.monotonic() + 5
+    while server.open_connections < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert server.open_connections == 2  # both accepted, neither has sent a byte
+    t0 = time.monotonic()
+    stopping = asyncio.create_task(s.proxy.stop(grace_s=5.0))
+    await asyncio.sleep(0.05)  # the stop has stopped the listener and closed the idle connections
+    writer.write(GENERATE + b"Content-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: answered, then closed
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert b"Connection: close" in answer
+    # The one that never sent a byte is closed once the first-request grace or its head
+    # deadline is over (both 0.5 s here: either may end it).
+    rest = await asyncio.wait_for(silent_reader.read(), 5)
+    assert rest == b"" or rest.startswith(b"HTTP/1.1 408"), rest
+    await stopping
+    assert time.monotonic() - t0 < 3.0  # a silent client does not hold the stop for the grace
+    assert s.seen == [b"{}"]
+    for w in (writer, silent_writer):
+        w.close()

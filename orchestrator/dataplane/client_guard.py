@@ -15,6 +15,12 @@ this; `GuardedServer` (a drop-in for aiohttp's low-level `web.Server`) adds:
   second would never trip a per-read timeout.
 - a cap on open connections: beyond max_connections, a new connection gets a 503
   and is closed at once, with a rate-limited warning.
+- a first request for every accepted connection at shutdown. aiohttp's pre_shutdown closes
+  every connection waiting for a request, and one accepted a moment before, whose request
+  was in its socket unread, was closed with it: the kernel answers unread data with a
+  reset, and the client of a reload of the worker count saw ConnectionResetError (a CI
+  run of tests/test_e2e_workers.py). A connection that has not sent a byte yet is
+  closed after its first response instead (`settle` waits for those requests, briefly).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from aiohttp.web_protocol import RequestHandler
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 LOG_INTERVAL_S = 10.0  # at most one line per this long for each kind of event
+SETTLE_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,9 @@ class GuardedServer(web.Server):
         self._event_loop = asyncio.get_running_loop()
         self.limits = limits
         self.open_connections = 0
+        # Accepted connections that have not sent a byte yet (their first request may be on
+        # the way): a shutdown closes them after it (module doc).
+        self.fresh: set["_GuardedProtocol"] = set()
         self._refusals = _Throttled(log, logging.WARNING)
         self._cuts = _Throttled(log, logging.INFO)
 
@@ -128,6 +138,17 @@ class GuardedServer(web.Server):
         self._cuts("cut slow client %s: request %s not received within %g s", peer, part,
                    self.limits.header_timeout_s if part == "head" else self.limits.body_timeout_s)
 
+    async def settle(self, timeout_s: float) -> None:
+        """After pre_shutdown: wait up to `timeout_s` for the connections accepted but silent to
+        send their first request (it is then served, and the connection closed), then close
+        the ones still silent."""
+        deadline = self._event_loop.time() + timeout_s
+        while self.fresh and self._event_loop.time() < deadline:
+            await asyncio.sleep(SETTLE_POLL_S)
+        for protocol in list(self.fresh):
+            self.fresh.discard(protocol)
+            RequestHandler.close(protocol)
+
     def refuse(self, transport: asyncio.BaseTransport) -> None:
         transport.write(_REFUSED)  # type: ignore[attr-defined]
         transport.close()
@@ -138,13 +159,14 @@ class GuardedServer(web.Server):
 class _GuardedProtocol(RequestHandler):
     """aiohttp's per-connection protocol, plus the head deadline and the connection count."""
 
-    __slots__ = ("_guard", "_head_timer", "_counted")
+    __slots__ = ("_guard", "_head_timer", "_counted", "_close_after_first")
 
     def __init__(self, guard: GuardedServer, **kwargs: Any) -> None:
         super().__init__(guard, **kwargs)
         self._guard = guard
         self._head_timer: asyncio.TimerHandle | None = None
         self._counted = False
+        self._close_after_first = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
@@ -153,21 +175,36 @@ class _GuardedProtocol(RequestHandler):
             return
         guard.open_connections += 1
         self._counted = True
+        guard.fresh.add(self)
         super().connection_made(transport)
         self._arm_head_timer()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.stop_head_timer()  # nothing to time any more
+        self._guard.fresh.discard(self)
         if not self._counted:
             return
         self._counted = False
         self._guard.open_connections -= 1
         super().connection_lost(exc)
 
+    def close(self) -> None:
+        """A shutdown's close: one that has not sent a byte yet is closed after its first
+        response instead (module doc)."""
+        if self in self._guard.fresh:
+            self._close_after_first = True
+            return
+        super().close()
+
     def data_received(self, data: bytes) -> None:
         if not self._counted:
             return
+        self._guard.fresh.discard(self)
         super().data_received(data)
+        if self._close_after_first and not self._awaiting_request():
+            # its first request is parsed (start() has it): served, then the connection closes
+            self._close_after_first = False
+            super().close()
         # Still waiting after these bytes: they began a keep-alive request's head but did
         # not complete it. (Checked after parsing: a head that arrives whole, the usual
         # case, costs no timer.)

@@ -75,6 +75,9 @@ CLIENT_KEEPALIVE_S = 75.0
 RETRY_AFTER_S = "1"
 # How long cancelled handlers get to close their upstream connections at stop().
 CANCEL_GRACE_S = 1.0
+# At stop(), how long a connection accepted just before has to send its first request: a
+# client sends it right after the connect, so this only bounds a silent one's wait.
+FIRST_REQUEST_GRACE_S = 0.5
 
 _JSON = "application/json"
 _LLM_ACTIONS = frozenset({"generate", "generate_stream", "infer"})
@@ -254,13 +257,16 @@ class EmbeddedProxy:
         self._stopping = True
         self._hold.close()  # held requests get their 503 now
         # 1. stop accepting; idle keep-alive connections close now, busy ones after
-        #    their current response.
+        #    their current response, those accepted but silent after their first
+        #    (client_guard.py: their request may be in the socket unread).
         for runner in (self._runner, self._metrics_runner):
             if runner is not None:
                 for site in list(runner.sites):
                     await site.stop()
                 if runner.server is not None:
                     runner.server.pre_shutdown()
+        for server in self._servers:
+            await server.settle(min(FIRST_REQUEST_GRACE_S, max(grace_s, 0)))
         # 2. let in-flight requests finish, up to the grace.
         if self._handlers:
             _, pending = await asyncio.wait(list(self._handlers), timeout=max(grace_s, 0))
