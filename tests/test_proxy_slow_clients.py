@@ -247,3 +247,28 @@ async def test_a_connection_accepted_just_before_stop_is_answered_not_reset(stac
     assert s.seen == [b"{}"]
     for w in (writer, silent_writer):
         w.close()
+
+
+async def test_a_socket_accepted_as_the_stop_begins_is_served_not_reset(stack):
+    # Accepted from the kernel's queue in the same loop turn as the listener closes, before its
+    # transport is made: the transport is still made and its request answered.
+    from orchestrator.dataplane.accept import AcceptingSite, queued
+
+    s = await stack()
+    site = next(x for x in s.proxy._runner.sites if isinstance(x, AcceptingSite))
+    acceptor = site._server
+    sock = acceptor.sockets[0]
+    asyncio.get_running_loop().remove_reader(sock.fileno())  # accept by hand below, not on wakeup
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+    writer.write(GENERATE + b"Content-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+    await writer.drain()
+    deadline = time.monotonic() + 5
+    while queued(sock) < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    acceptor._accept_pending()  # accepted: its transport is a task not run yet...
+    acceptor.close()  # ...when the listener closes (what site.stop() does first)
+    stopping = asyncio.create_task(s.proxy.stop(grace_s=5.0))
+    answer = await asyncio.wait_for(reader.read(), 5)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    await stopping
+    writer.close()

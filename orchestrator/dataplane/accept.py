@@ -54,6 +54,8 @@ ACCEPT_PAUSE_S = 1.0
 # its heartbeat is stale (shared_table.ALIVE_S).
 DEFER_S = 0.002
 DEFER_MAX_S = 0.020
+# At a stop, how long the sockets accepted already may take to become transports (a loop turn).
+WRAP_WAIT_S = 1.0
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -85,6 +87,7 @@ class _Acceptor:
         self._resume: asyncio.TimerHandle | None = None
         self._declining_since: float | None = None
         self._last_warning = 0.0
+        self._closed = False
         self.sockets = (sock,)
 
     def start(self) -> None:
@@ -165,6 +168,9 @@ class _Acceptor:
                               exc.strerror, ACCEPT_PAUSE_S)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._share is not None:
             self._share.accepting(False)
         if self._resume is not None:
@@ -172,10 +178,19 @@ class _Acceptor:
             self._resume = None
         else:
             self._loop.remove_reader(self._sock.fileno())
-        for task in self._tasks:
-            task.cancel()  # a transport not made yet; the runner's shutdown closes the made ones
+        # Sockets accepted whose transport is not made yet are left to finish (wrapped()):
+        # cancelled, they were closed with the client's request unread in them, a reset.
         if self._owned:
             self._sock.close()
+
+    async def wrapped(self, timeout_s: float = WRAP_WAIT_S) -> None:
+        """After close(): wait for the accepted sockets' transports (one loop turn each); the
+        runner's shutdown closes made ones, and those still unmade after `timeout_s` are
+        cancelled."""
+        if self._tasks:
+            _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
 
 
 class AcceptingSite(web.BaseSite):
@@ -206,3 +221,9 @@ class AcceptingSite(web.BaseSite):
         acceptor = _Acceptor(self._sock, server, self._log, self._owned, self._share)
         acceptor.start()
         self._server = acceptor  # type: ignore[assignment]
+
+    async def stop(self) -> None:
+        acceptor = self._server
+        await super().stop()
+        if isinstance(acceptor, _Acceptor):
+            await acceptor.wrapped()
