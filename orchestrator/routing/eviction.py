@@ -35,6 +35,13 @@ So the prompt blocks of a span count at the hit rate of the whole kept window (K
 starts and ends balance: computed = prompt blocks x (1 - hit rate) + output blocks.
 Where an engine exports no such counters (older TRT-LLM versions), they stay 0 and nothing is
 judged gone: prefix-affinity routes as it did before.
+
+Tried and dropped: counting also what the requests queued ahead at the holder would compute
+before a request sent now gets a slot (the window's mean per request times the queue). A
+tenant's own queued requests reuse its prefix and keep it the most recently used, which that
+ignored: in bench/routing_sim.py's 8-slot tenant cells a third to two thirds of the choices
+became `prefix-evicted`, KV hit rate 0.81-0.94 -> 0.57-0.80, TTFT p90 up to 9x (s8/room4/uniform/r1
+3.3 -> 30.7 s), for 1.41 -> 1.07 x the best baseline on s8/room1.5/chat/r1.
 """
 
 from __future__ import annotations
