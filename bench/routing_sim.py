@@ -229,7 +229,7 @@ def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy
             for i in range(n_inst):
                 s, h = stats[i], hist[i]
                 views[i].update(EngineSnapshot(
-                    at=t + INDEX_EPOCH_S, active=s.active if s else 0, max_active=cell.slots, waiting=s.waiting if s else 0,
+                    at=clock(), active=s.active if s else 0, max_active=cell.slots, waiting=s.waiting if s else 0,
                     scheduled=s.scheduled if s else 0, context=s.context if s else 0,
                     kv_max=cell.kv_tokens // rc.BLOCK, kv_used=s.kv_used if s else 0,
                     kv_free=s.kv_free if s else cell.kv_tokens // rc.BLOCK, tokens_per_block=rc.BLOCK,

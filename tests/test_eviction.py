@@ -102,7 +102,7 @@ def test_samples_are_kept_for_a_window_and_older_routings_get_a_lower_bound():
     w = KvWrites()
     for t in range(0, int(3 * KEEP_S)):
         w.observe(engine(float(t), finished=t // 10, prompt_tokens=(t // 10) * TPB))
-    assert len(w._at) <= KEEP_S + 2
+    assert len(w._samples) <= KEEP_S + 2
     # routed long before the oldest kept sample: what was computed in the window (~6 requests,
     # ~6 blocks) is too little for a pool of 100
     assert not w.gone(-1000.0)

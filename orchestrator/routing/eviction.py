@@ -57,55 +57,48 @@ KEEP_S = 60.0
 
 
 class KvWrites:
-    """One instance's engine at each scrape: prompt blocks, output blocks, reused blocks and
-    requests finished, cumulative."""
+    """One instance's engine at each scrape: (time, prompt blocks, output blocks, reused blocks,
+    requests finished), the counts cumulative."""
 
-    __slots__ = ("_at", "_prompt", "_output", "_reused", "_finished", "free", "running")
+    __slots__ = ("_samples", "free", "running", "hit")
 
     def __init__(self) -> None:
-        self._at: deque[float] = deque()
-        self._prompt: deque[float] = deque()
-        self._output: deque[float] = deque()
-        self._reused: deque[int] = deque()
-        self._finished: deque[int] = deque()
+        self._samples: deque[tuple[float, float, float, int, int]] = deque()
         self.free = 0  # free blocks (plain and cached) at the last scrape
         self.running = 0  # requests the engine runs at once
+        self.hit = 0.0  # the kept window's prompt blocks taken from the cache, as a fraction
 
     def observe(self, snap: EngineSnapshot) -> None:
         """A snapshot of this instance's engine (the same one again changes nothing)."""
-        at = self._at
-        if at and snap.at <= at[-1]:
+        samples = self._samples
+        if samples and snap.at <= samples[-1][0]:
             return
         tpb = snap.tokens_per_block
         if not tpb:
             return
-        series = (at, self._prompt, self._output, self._reused, self._finished)
-        if self._finished and (snap.finished < self._finished[-1] or snap.kv_reused < self._reused[-1]):
-            for q in series:  # the engine restarted: its counters began again
-                q.clear()
-        for q, v in zip(series, (snap.at, snap.input_tokens / tpb, snap.output_tokens / tpb, snap.kv_reused,
-                                 snap.finished)):
-            q.append(v)
-        while len(at) > 2 and at[1] < snap.at - KEEP_S:
-            for q in series:
-                q.popleft()
+        if samples and (snap.finished < samples[-1][4] or snap.kv_reused < samples[-1][3]):
+            samples.clear()  # the engine restarted: its counters began again
+        samples.append((snap.at, snap.input_tokens / tpb, snap.output_tokens / tpb, snap.kv_reused, snap.finished))
+        while len(samples) > 2 and samples[1][0] < snap.at - KEEP_S:
+            samples.popleft()
         self.free = snap.kv_free
         # Requests waiting for KV blocks: the batch is what the cache lets run, not the slots.
         self.running = snap.scheduled if snap.waiting > 0 and snap.scheduled > 0 else snap.max_active
+        first, last = samples[0], samples[-1]
+        window = last[1] - first[1]
+        self.hit = min(1.0, (last[3] - first[3]) / window) if window > 0 else 0.0
 
     def gone(self, routed_at: float) -> bool:
         """Whether a prefix last routed here at monotonic `routed_at` is surely evicted by now."""
-        at = self._at
+        samples = self._samples
         # From the first scrape after it: what finished between the routing and that scrape is
         # not counted (the verdict errs towards "still there"). Routed before the oldest kept
         # scrape: what was computed since the oldest, a lower bound.
-        i = bisect_right(at, routed_at)
-        if i >= len(at):
+        i = bisect_right(samples, routed_at, key=lambda sample: sample[0])
+        if i >= len(samples):
             return False  # nothing scraped since
-        if self._finished[-1] - self._finished[i] < max(1, self.running):
+        since, last = samples[i], samples[-1]
+        if last[4] - since[4] < max(1, self.running):
             return False
-        prompt = self._prompt
-        window = prompt[-1] - prompt[0]
-        hit = min(1.0, (self._reused[-1] - self._reused[0]) / window) if window > 0 else 0.0
-        computed = (prompt[-1] - prompt[i]) * (1.0 - hit) + self._output[-1] - self._output[i]
+        computed = (last[1] - since[1]) * (1.0 - self.hit) + last[2] - since[2]
         return computed >= max(1, self.free)
