@@ -52,6 +52,7 @@ from typing import Any
 
 from bench import routing_cells as rc
 from bench.common import machine, pct, table, write_result
+from bench.decision_cost import measure
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
@@ -333,61 +334,6 @@ class _Inline:
         return map(fn, items)
 
 
-def decision_cost(instances: int, decisions: int = 4000) -> dict[str, float]:
-    """Microseconds per cost-model decision among `instances` busy instances with learnt rates:
-    the whole `choose` (prefix index match and record included) on prebuilt RouteHints of 12
-    tenants' ~2150-character prompts, and building those hints (hashing the prompt's chunks, done
-    by the proxy for any prompt-aware policy), separately. The data-plane workers' shared prefix
-    index, as the product runs. Median of 5 repetitions."""
-    with tempfile.TemporaryDirectory(prefix="routing-sim-") as tmp:
-        return _decision_cost(instances, decisions, Path(tmp))
-
-
-def _decision_cost(instances: int, decisions: int, tmp: Path) -> dict[str, float]:
-    now = [1000.0]
-    views = [EngineView() for _ in range(instances)]
-    backends = [Backend(str(i), "h", 1, 2, 3, engine=views[i]) for i in range(instances)]
-    index = SharedPrefixIndex.create(tmp / "prefixes", clock=lambda: now[0])
-    policy = POLICIES["cost-model"](random.Random(1), clock=lambda: now[0], index=index)
-    policy.choose(backends, (), {}, None)
-    ts = 0.0
-    for k in range(60):  # busy engines: 5 iterations of 20 ms a scrape, 2000 prompt tokens in every other one
-        for i, v in enumerate(views):
-            v.update(EngineSnapshot(at=now[0], active=6, max_active=8, scheduled=6, kv_max=256, kv_used=100,
-                                    tokens_per_block=64, iteration=float(5 * k + i), timestamp_us=int(ts * 1e6),
-                                    context_tokens=2000 * (k % 2), finished=3 * k, input_tokens=6300 * k,
-                                    output_tokens=60 * k))
-        ts += 0.1 + 0.0001 * 2000 * (k % 2)
-        now[0] += 0.1
-    prefixes = rc.tenant_prefixes("cost", 12)
-    rng = random.Random(2)
-    prompts = [prefixes[rng.randrange(12)] + f" Question {j}: " + rc.text(rng, 80) for j in range(decisions)]
-    hints = [RouteHints.from_prompt(p) for p in prompts]
-    inflight = {str(i): i % 7 for i in range(instances)}
-    for h in hints[:500]:
-        policy.choose(backends, (), inflight, h)
-    # the choice in seconds (not the cold start's batch count) is what is timed
-    assert policy.ratio.source != "prior" and all(policy.book.rates(b.instance_id) for b in backends)
-    choose_us, hints_us, index_us = [], [], []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for h in hints:
-            policy.choose(backends, (), inflight, h)
-        choose_us.append((time.perf_counter() - t0) / len(hints) * 1e6)
-        t0 = time.perf_counter()
-        for p in prompts:
-            RouteHints.from_prompt(p)
-        hints_us.append((time.perf_counter() - t0) / len(prompts) * 1e6)
-        t0 = time.perf_counter()
-        for k, h in enumerate(hints):  # the shared index's own part of a choice: one match, one record
-            index.match(h.prompt_keys)
-            index.record(h.prompt_keys, str(k % instances))
-        index_us.append((time.perf_counter() - t0) / len(hints) * 1e6)
-    return {"instances": instances, "choose_us": round(statistics.median(choose_us), 1),
-            "index_us": round(statistics.median(index_us), 1),
-            "hints_us": round(statistics.median(hints_us), 1), "prompt_chars": len(prompts[0])}
-
-
 def plot(result: dict[str, Any], plt: Any) -> Any:
     """Per cell: the engine-aware targets' TTFT p90 and tokens/s over the best of
     least-outstanding and nginx (below / above 1 is better), with issue 24's bounds."""
@@ -493,11 +439,12 @@ def main() -> int:
         print(table(v, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
                         "no_worse"]))
         print(f"no worse in {sum(r['no_worse'] for r in v)}/{len(v)} cells")
-    costs = [decision_cost(int(n)) for n in a.decision_cost.split(",") if n]
+    # bench/decision_cost.py's busy tenant case, for the record of this run's machine
+    costs = [measure(p, int(n), "tenant", "busy") for p in ("prefix-affinity", "cost-model")
+             for n in a.decision_cost.split(",") if n]
     for c in costs:
-        print(f"cost-model decision among {c['instances']} instances: {c['choose_us']} us, of which the shared "
-              f"prefix index's match and record {c['index_us']} us (+ {c['hints_us']} us to hash a "
-              f"{c['prompt_chars']}-character prompt's chunks)")
+        print(f"{c['policy']} decision among {c['instances']} instances: {c['us']} us per Balancer.pick "
+              f"(+ {c['hints_us']} us to hash the prompt's {c['keys']} chunks)")
     print(f"wall {time.time() - t0:.0f} s")
     result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "jitter": a.jitter, "index": a.index,
               "policy_kw": kw, "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v,

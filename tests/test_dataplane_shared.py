@@ -21,6 +21,7 @@ from orchestrator.errors import UsageError
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer, SharedRouting
 from orchestrator.routing.llm_policies import RouteHints
+from orchestrator.routing.prefix_index import chunk_keys
 
 pytestmark = pytest.mark.unit
 
@@ -79,15 +80,48 @@ def test_balancers_of_two_workers_route_on_the_global_count(tmp_path):
     assert w0.snapshot() == {}  # its own share, for status
 
 
+def test_inflight_sums_the_rows_the_daemon_has_put_in_use(tmp_path):
+    table = SharedTable.create(tmp_path / "t")
+    WorkerCounts(table, 0).acquire("2")
+    WorkerCounts(table, 9).acquire("2")
+    assert GlobalInflight(table)["2"] == 2  # a table of an older daemon (no rows mark): every row counts
+    table.use_rows(3)  # the daemon started workers in slots 0..2
+    WorkerCounts(table, 2).acquire("2")
+    assert GlobalInflight(table)["2"] == 2  # slot 9 is beyond the rows in use (never written in practice)
+    table.use_rows(1)  # never lowered: a slot once started may still count
+    assert GlobalInflight(table)["2"] == 2
+    table.use_rows(10)
+    assert GlobalInflight(table)["2"] == 3
+
+
+def test_a_ready_sets_counts_are_read_together(tmp_path):
+    table = SharedTable.create(tmp_path / "t")
+    table.use_rows(4)
+    view = GlobalInflight(table)
+    for worker, iid in ((0, "1"), (3, "1"), (2, "3"), (1, "4")):
+        WorkerCounts(table, worker).acquire(iid)
+    ready = backends(5)[1:]
+    assert view.of(ready) == {"1": 2, "2": 0, "3": 1, "4": 1}
+    WorkerCounts(table, 1).release("4")
+    assert view.of(ready) == {"1": 2, "2": 0, "3": 1, "4": 0}  # read again, not kept
+    assert view.of(backends(2)) == {"0": 0, "1": 2}  # another ready set: its own columns
+    assert view.of(()) == {}
+
+
 # --- the prefix index ----------------------------------------------------------------------
+def two_workers_index(tmp_path):
+    """A clock, and the shared prefix index as two workers have it open."""
+    clock = Clock()
+    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock)
+    return clock, a, SharedPrefixIndex.open(tmp_path / "p", clock=clock)
+
+
 def keys(prefix: str, n: int) -> list[bytes]:
     return [f"{prefix}-{i}".encode().ljust(16, b".")[:16] for i in range(n)]
 
 
 def test_prefix_recorded_by_one_worker_matches_in_another(tmp_path):
-    clock = Clock()
-    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock)
-    b = SharedPrefixIndex.open(tmp_path / "p", clock=clock)
+    clock, a, b = two_workers_index(tmp_path)
     a.record(keys("x", 5), "2")
     b.record(keys("x", 3), "7")
     assert b.match(keys("x", 5)) == (5, {"2": 5, "7": 3})
@@ -100,9 +134,7 @@ def test_prefix_recorded_by_one_worker_matches_in_another(tmp_path):
 
 
 def test_prefix_recency_is_when_any_worker_last_routed_each_holders_deepest_chunk(tmp_path):
-    clock = Clock()
-    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock)
-    b = SharedPrefixIndex.open(tmp_path / "p", clock=clock)
+    clock, a, b = two_workers_index(tmp_path)
     a.record(keys("x", 5), "2")
     clock.t += 1
     b.record(keys("x", 3), "7")
@@ -353,3 +385,50 @@ async def test_the_away_prober_ends_by_itself_once_a_daemon_is_connected(tmp_pat
     assert not task.done()  # no daemon: it probes on
     m.set_connected(True)  # and no cancel
     await asyncio.wait_for(task, 2)
+
+
+def test_prefix_depths_are_found_by_bisection_as_a_walk_would(tmp_path):
+    """Holders of nested prefixes of one chain (as prompts of one conversation are): each holder's
+    depth and the time it was last routed its deepest chunk, as reading every chunk would give."""
+    clock = Clock()
+    idx = SharedPrefixIndex.create(tmp_path / "p", slots=4096, clock=clock)
+    chain = chunk_keys("".join(f"turn {i}: " + "words " * 60 for i in range(40)))[:40]  # digests, as routed
+    routed = {"0": 40, "1": 17, "2": 1, "4": 26}  # a key keeps 4 holders
+    when = {}
+    for iid, depth in routed.items():
+        clock.t += 1
+        idx.record(chain[:depth], iid)
+        when[iid] = clock.t
+    clock.t += 1
+    idx.record(chain[:9], "0")  # its first 9 chunks again, later
+    for n in (40, 30, 17, 12, 9, 2, 1):
+        expect = {iid: (min(n, d), clock.t if iid == "0" and min(n, d) <= 9 else when[iid])
+                  for iid, d in routed.items()}
+        assert idx.match_recency(chain[:n]) == (n, expect)
+    assert idx.match_recency(keys("other", 5)) == (5, {})
+    assert idx.match_recency([]) == (0, {})
+
+
+def test_prefix_recorded_again_within_the_rewrite_window_is_not_rewritten(tmp_path):
+    from orchestrator.dataplane.shared_prefix import REWRITE_S
+    clock = Clock()
+    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock)
+    a.record(keys("x", 3), "1")
+    clock.t += REWRITE_S / 2
+    a.record(keys("x", 3), "1")  # a hot prefix: its time is not written again so soon
+    assert a.match_recency(keys("x", 3)) == (3, {"1": (3, 1000.0)})
+    a.record(keys("x", 3), "2")  # another instance is written at once
+    assert a.match_recency(keys("x", 3))[1]["2"] == (3, 1000.0 + REWRITE_S / 2)
+    clock.t += REWRITE_S
+    a.record(keys("x", 3), "1")
+    assert a.match_recency(keys("x", 3))[1]["1"] == (3, clock.t)
+
+
+def test_prefix_recorded_right_after_a_restart_counts(tmp_path):
+    clock, a, b = two_workers_index(tmp_path)
+    a.record(keys("x", 2), "1")
+    clock.t += 0.001
+    b.forget_instance("1")  # another worker saw it restart
+    clock.t += 0.001
+    a.record(keys("x", 2), "1")  # within the rewrite window, but its earlier write is void
+    assert b.match(keys("x", 2)) == (2, {"1": 2})

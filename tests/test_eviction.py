@@ -3,6 +3,7 @@ judged from the engine's own counters, and what prefix-affinity does with the ve
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -154,7 +155,6 @@ def test_a_holder_that_surely_evicted_the_prefix_is_a_miss():
     # ...until its engine has computed a free pool's worth of blocks since (other prompts).
     clock.t += 0.1
     scrape(bs, engine(clock.t), engine(clock.t))
-    policy.choose(bs, (), inflight, None)  # (no prompt: routes by load, sees the scrape)
     clock.t += 5.0
     snaps = {holder: engine(clock.t, finished=20, prompt_tokens=150 * TPB), other: engine(clock.t)}
     scrape(bs, snaps["0"], snaps["1"])
@@ -185,3 +185,34 @@ def test_a_split_prefix_goes_back_to_the_copy_that_is_left():
     # Instance 0 carries 3 more requests: by load alone the tenant would go to 1.
     assert policy.choose(bs, (), {"0": 3, "1": 0}, hints(4, "q2")).instance_id == "0"
     assert policy.last_reason == "prefix"
+
+
+def test_every_scrape_reaches_the_verdict_without_a_choice_between():
+    """The policy listens to the engine views: the scrape right after a routing is the verdict's
+    start, whether or not a request came in between (pulled at each choice, it was missed, and
+    the next scrape's work counted from itself: nothing ever looked computed)."""
+    clock = Clock()
+    policy = PrefixAffinity(random.Random(1), clock=clock, index=PrefixIndex(clock=clock))
+    bs = backends_at(clock, engine(clock.t), engine(clock.t))
+    holder = policy.choose(bs, (), {}, hints(2, "turn 1")).instance_id
+    clock.t += 0.1
+    scrape(bs, engine(clock.t), engine(clock.t))
+    clock.t += 5.0
+    scrape(bs, *(engine(clock.t, finished=20, prompt_tokens=150 * TPB) if b.instance_id == holder
+                 else engine(clock.t) for b in bs))
+    assert policy.choose(bs, (), {holder: 1}, hints(2, "turn 2")).instance_id != holder
+    assert policy.last_reason == "prefix-evicted"
+
+
+def test_a_replaced_prefix_affinity_stops_listening():
+    clock = Clock()
+    bs = backends_at(clock, engine(clock.t), engine(clock.t))
+    policy = PrefixAffinity(random.Random(1), clock=clock, index=PrefixIndex(clock=clock))
+    policy.choose(bs, (), {}, None)
+    assert len(bs[0].engine.listeners) == 1
+    del policy
+    gc.collect()
+    scrape(bs, engine(clock.t + 0.1), engine(clock.t + 0.1))  # nobody behind the listener: nothing happens
+    new = PrefixAffinity(random.Random(1), clock=clock, index=PrefixIndex(clock=clock))
+    new.choose(bs, (), {}, None)
+    assert len(bs[0].engine.listeners) == 1  # the dead one's listener made room for the new one

@@ -233,3 +233,24 @@ def test_foreign_work_is_counted_against_what_we_had_in_flight_when_the_engine_w
     # Work we never sent still counts.
     c = backend("0", snap(active=6, at=NOW - 0.05))
     assert loads([c, b], {"0": 1, "1": 1}, NOW, policy.history)["0"] == 1 + (6 - 3)
+
+
+def test_inflight_history_answers_from_a_long_busy_series():
+    """Thousands of notes per instance in the kept window (a busy worker): answers as at every
+    time, before and after the older notes are let go in bulk."""
+    from orchestrator.routing.llm_policies import InflightHistory
+    history = InflightHistory(keep_s=2.0)
+    bs = [Backend(str(i), "127.0.0.1", 1, 2, 3) for i in range(2)]
+    truth = []
+    for k in range(6000):  # 6 s at 1000 choices a second, the count of "0" going 0..9
+        t = 100.0 + k / 1000
+        history.note(t, bs, {"0": k % 10, "1": 0}, "1")
+        truth.append((t, k % 10))
+    now = truth[-1][0]
+    for t, n in truth[-1500:]:
+        assert history.at("0", t) == n
+        assert history.at("0", t + 0.0005) == n  # between two notes: the earlier one's count
+    assert history.at("1", now) == 1
+    assert history.at("0", now - 2.0) is not None  # the last note at the window's start is kept
+    assert history.at("0", 99.0) is None  # nothing noted that early
+    assert len(history._series["0"].times) < 6000  # older notes were let go

@@ -292,6 +292,7 @@ class WorkerPool:
     async def _spawn(self, slot: _Slot) -> None:
         assert self._table is not None
         self._table.clear_worker(slot.index)
+        self._table.use_rows(slot.index + 1)  # before it can count a request in its row
         slot.listening.clear()
         fds = {name: sock.fileno() for name, sock in self._sockets.items()}
         argv = [sys.executable, "-m", "orchestrator.dataplane.worker", "--state-dir", str(self._state_dir),

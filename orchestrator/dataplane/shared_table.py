@@ -1,7 +1,8 @@
 """What the data-plane workers share: one small memory-mapped file in the state dir.
 
 Layout (native byte order, fixed offsets, no locks):
-    header      magic, layout version, max workers, max instances
+    header      magic, layout version, max workers, max instances, rows in use (the
+                highest worker slot the daemon has started + 1; 0: unknown, read all)
     inflight    [worker][instance] int32  requests in flight, written by that worker only
     worker      [worker] pid, connections, held, accepting, heartbeat  written by that worker only
     requests    [worker] int64 requests answered             written by that worker only
@@ -24,7 +25,8 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 MAGIC = 0x7472746C6C6D6F31  # "trtllmo1"
@@ -34,6 +36,9 @@ MAX_INSTANCES = 256
 
 _HEADER = struct.Struct("=QIII")
 _HEADER_SIZE = 64
+# In the header's spare bytes, so a table of an older daemon (0 there) stays readable: every row
+# counts. Only the daemon writes it, before it starts a worker in a slot, and never lowers it.
+_ROWS_CELL = _HEADER.size >> 2
 _WORKER_FIELDS = 4  # pid, connections, held, accepting (0 in a table of an older worker: not counted)
 _INFLIGHT_OFF = _HEADER_SIZE
 _WORKER_OFF = _INFLIGHT_OFF + 4 * MAX_WORKERS * MAX_INSTANCES
@@ -112,11 +117,27 @@ class SharedTable:
         cell = self._cell(worker, instance)
         self._i32[cell] += delta
 
-    def inflight(self, instance: int) -> int:
-        """Requests in flight at `instance` from every worker."""
+    def use_rows(self, rows: int) -> None:
+        """Worker slots 0..rows-1 may write their rows from now on (the daemon, before a start)."""
         i32 = self._i32
-        start = self._cell(0, instance)
-        return sum(i32[start:start + MAX_WORKERS * MAX_INSTANCES:MAX_INSTANCES])
+        i32[_ROWS_CELL] = max(i32[_ROWS_CELL], min(rows, MAX_WORKERS))
+
+    def inflight(self, instance: int) -> int:
+        """Requests in flight at `instance` from every worker. Every routing decision reads it
+        for each candidate: only the rows in use are summed (4 of 64 rows: 0.85 -> 0.3 us)."""
+        i32 = self._i32
+        start = (_INFLIGHT_OFF >> 2) + instance
+        return sum(i32[start:start + (i32[_ROWS_CELL] or MAX_WORKERS) * MAX_INSTANCES:MAX_INSTANCES])
+
+    def inflight_span(self, first: int, end: int) -> list[int]:
+        """`inflight` of instances first..end-1 at once: a row slice per worker in use, not a
+        column per instance (16 instances, 4 workers: 2 us instead of 7)."""
+        i32 = self._i32
+        row = (_INFLIGHT_OFF >> 2) + first
+        width = end - first
+        rows = [i32[r:r + width].tolist() for r in range(row, row + (i32[_ROWS_CELL] or MAX_WORKERS) * MAX_INSTANCES,
+                                                          MAX_INSTANCES)]
+        return [sum(column) for column in zip(*rows)] if len(rows) > 1 else rows[0]
 
     def worker_inflight(self, worker: int) -> int:
         start = self._cell(worker, 0)
@@ -195,6 +216,8 @@ class GlobalInflight(Mapping[str, int]):
     def __init__(self, table: SharedTable, ids: tuple[str, ...] = ()) -> None:
         self._table = table
         self.ids = ids
+        self._columns_of: Sequence[Any] | None = None  # the ready set `of` last read, and its columns
+        self._columns: tuple[int, int, list[tuple[str, int]]] = (0, 0, [])
 
     def __getitem__(self, instance_id: str) -> int:
         return self._table.inflight(instance_index(instance_id))
@@ -204,6 +227,22 @@ class GlobalInflight(Mapping[str, int]):
             return self._table.inflight(instance_index(instance_id))
         except (ValueError, TableError):
             return default
+
+    def of(self, backends: Sequence[Any]) -> dict[str, int]:
+        """The counts of these instances (anything with an `instance_id`), read together: what a
+        routing decision reads. The ready set is one list until it changes: its columns are
+        worked out once per list, not per decision."""
+        if backends is not self._columns_of:
+            index = {b.instance_id: instance_index(b.instance_id) for b in backends}
+            first = min(index.values(), default=0)
+            self._columns = (first, max(index.values(), default=-1) + 1,
+                             [(iid, i - first) for iid, i in index.items()])
+            self._columns_of = backends
+        first, end, columns = self._columns
+        if end <= first:
+            return {}
+        counts = self._table.inflight_span(first, end)
+        return {iid: counts[i] for iid, i in columns}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.ids)

@@ -43,11 +43,19 @@ class SharedCounts(Protocol):
     def release(self, instance_id: str) -> None: ...
 
 
+class GlobalCounts(Protocol):
+    """The in-flight counts of every worker (dataplane/shared_table.GlobalInflight)."""
+
+    def get(self, instance_id: str, default: int = 0) -> int: ...
+
+    def of(self, backends: Sequence[Backend]) -> dict[str, int]: ...
+
+
 class SharedRouting(NamedTuple):
     """What every data-plane worker routes on alike (dataplane/shared_table.py, shared_prefix.py):
     the in-flight counts of all workers, this worker's own row, and the prefix index."""
 
-    inflight: Mapping[str, int]
+    inflight: "GlobalCounts | Mapping[str, int]"
     counts: SharedCounts
     prefix_index: Any = None  # routing.prefix_index.PrefixIndex's methods; None: the policy's own
     journal: Any = None  # routing.journal.Journal's methods (cost-model); None: the policy's own
@@ -121,7 +129,7 @@ POLICIES: dict[str, Callable[[random.Random], Policy]] = {
 
 class Balancer:
     __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling",
-                 "_view", "_shared", "_prefix_index", "_journal")
+                 "_view", "_counts_of", "_shared", "_prefix_index", "_journal")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -132,8 +140,9 @@ class Balancer:
         # count over all of them (`shared`: a view of the shared table and this worker's
         # row in it), so every worker balances on the same global numbers.
         self.inflight: dict[str, int] = {}
-        self._view: Mapping[str, int] = shared[0] if shared is not None else self.inflight
+        self._view: Mapping[str, int] | GlobalCounts = shared[0] if shared is not None else self.inflight
         self._shared: SharedCounts | None = shared[1] if shared is not None else None
+        self._counts_of: Callable[[Sequence[Backend]], dict[str, int]] | None = getattr(self._view, "of", None)
         self._prefix_index = shared[2] if shared is not None and len(shared) > 2 else None
         self._journal = shared[3] if shared is not None and len(shared) > 3 else None
         self._rng = rng or random.Random()
@@ -184,12 +193,16 @@ class Balancer:
             for iid, until in list(cooling.items()):
                 if until <= now:
                     del cooling[iid]
+        # With several workers, each count is a sum over the workers' rows of the shared table:
+        # read once per pick, together, rather than per instance each time a policy looks.
+        of = self._counts_of
+        view = self._view if of is None else of(backends)
         if not cooling:
-            return self._choose(backends, exclude, self._view, hints)
+            return self._choose(backends, exclude, view, hints)
         # Cooling instances only when nothing else is left.
-        chosen = self._choose(backends, cooling.keys() | set(exclude), self._view, hints)
+        chosen = self._choose(backends, cooling.keys() | set(exclude), view, hints)
         if chosen is None:
-            chosen = self._choose(backends, exclude, self._view, hints)
+            chosen = self._choose(backends, exclude, view, hints)
         return chosen
 
     def forget(self, instance_id: str) -> None:

@@ -68,7 +68,6 @@ from __future__ import annotations
 import math
 import random
 import time
-import weakref
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -79,6 +78,7 @@ from orchestrator.routing.journal import ErrorMeter, Journal, Pending
 from orchestrator.routing.llm_policies import RouteHints
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex
 from orchestrator.routing.tokens import TokenRatio
+from orchestrator.routing.view_listeners import subscribe
 
 HIT, SPILL, MISS, LOAD = "hit", "spill", "miss", "load"
 
@@ -136,21 +136,6 @@ class Decision:
         if meter is not None:
             meter.add(error)
         return error
-
-
-class _Listener:
-    """An EngineView listener that does not keep the policy alive (a reload replaces it)."""
-
-    __slots__ = ("_policy", "_iid", "__weakref__")
-
-    def __init__(self, policy: "CostModel", iid: str) -> None:
-        self._policy = weakref.ref(policy)
-        self._iid = iid
-
-    def __call__(self, snap: EngineSnapshot) -> None:
-        policy = self._policy()
-        if policy is not None:
-            policy.observe(self._iid, snap)
 
 
 class CostModel:
@@ -218,12 +203,7 @@ class CostModel:
                 inst.at = -math.inf
                 continue
             inst.stale_after_s = view.stale_after_s
-            listeners = view.listeners
-            # Listeners of policies a reload replaced have nothing behind them: dropped here.
-            listeners[:] = [x for x in listeners if not (isinstance(x, _Listener) and x._policy() is None)]
-            listeners.append(_Listener(self, b.instance_id))
-            if view.latest is not None:
-                self.observe(b.instance_id, view.latest)
+            subscribe(self, b.instance_id, view)
         self._seen = backends
 
     # --- choice --------------------------------------------------------------------------------

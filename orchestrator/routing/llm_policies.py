@@ -50,16 +50,19 @@ requests alone there, the 64-slot tenant cells lost (s64/room1.5/uniform/r1 TTFT
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import zlib
-from collections import deque
+from bisect import bisect_right
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.eviction import KvWrites
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex, chunk_keys
+from orchestrator.routing.view_listeners import subscribe
 
 KV_WEIGHT = 0.5  # a full KV cache counts as half a batch of extra requests
 # prefix-affinity follows a holder while its load is within this many requests of the least
@@ -112,77 +115,120 @@ class InflightHistory:
     chosen instance is noted with its new request counted, so between two notes the count
     can only have fallen: a note is an upper bound until the next one, and `foreign`
     computed from it errs low (towards least-outstanding), never high.
+
+    A busy worker notes a change per instance at every choice it makes there (thousands in
+    `keep_s`), and every choice looks one up per instance at its snapshot's time: the notes
+    are a sorted series searched by bisection, not scanned.
     """
 
     def __init__(self, keep_s: float = 2.0) -> None:
         self.keep_s = keep_s
-        self._notes: dict[str, deque[tuple[float, int]]] = {}
+        self._series: dict[str, _Series] = {}
 
     def note(self, now: float, backends: Sequence[Backend], inflight: Mapping[str, int], chosen: str) -> None:
+        series = self._series
         for b in backends:
             iid = b.instance_id
             n = inflight.get(iid, 0) + (iid == chosen)
-            notes = self._notes.get(iid)
-            if notes is None:
-                notes = self._notes[iid] = deque()
-            if not notes or notes[-1][1] != n:
-                notes.append((now, n))
-            while len(notes) > 1 and notes[1][0] <= now - self.keep_s:
-                notes.popleft()  # keeps the last note older than keep_s: it covers until the next
+            s = series.get(iid)
+            if s is None:
+                s = series[iid] = _Series()
+            if s.last != n:
+                s.add(now, n, now - self.keep_s)
 
     def at(self, instance_id: str, when: float) -> int | None:
         """Our count there at `when` (an upper bound), or None when nothing was noted before it."""
-        found = None
-        for t, n in reversed(self._notes.get(instance_id, ())):
-            if t <= when:
-                found = n
-                break
-        return found
+        s = self._series.get(instance_id)
+        return s.at(when) if s is not None else None
+
+
+class _Series:
+    """One instance's notes, oldest first; `start` skips those no longer kept (deleted in bulk)."""
+
+    __slots__ = ("times", "counts", "start", "last", "_asked", "_answer")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.start = 0
+        self.last: int | None = None
+        # The last `at` asked and its answer: every choice asks at its snapshot's time, which
+        # changes once per scrape.
+        self._asked: float | None = None
+        self._answer: int | None = None
+
+    def add(self, now: float, n: int, horizon: float) -> None:
+        self._asked = None
+        times = self.times
+        times.append(now)
+        self.counts.append(n)
+        self.last = n
+        # keep the last note at or before the horizon: it covers until the next one
+        cut = bisect_right(times, horizon, self.start) - 1
+        if cut > self.start:
+            self.start = cut
+            if cut > 256 and 2 * cut > len(times):
+                del times[:cut]
+                del self.counts[:cut]
+                self.start = 0
+
+    def at(self, when: float) -> int | None:
+        if when == self._asked:
+            return self._answer
+        i = bisect_right(self.times, when, self.start) - 1
+        self._asked = when
+        self._answer = answer = self.counts[i] if i >= self.start else None
+        return answer
 
 
 def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
-             history: InflightHistory | None) -> dict[str, tuple[int, int, float]]:
-    """instance_id -> (requests: ours + foreign, batch slots, KV fraction used); slots 0 and
-    fraction 0.0 for every candidate when any candidate's snapshot is stale."""
-    snaps = {}
+             history: InflightHistory | None) -> tuple[dict[str, float], dict[str, float]]:
+    """(instance_id -> requests: ours + foreign, instance_id -> the same with KV pressure added);
+    ours alone for every candidate when any candidate's snapshot is stale. One pass: every
+    choice runs it over every candidate."""
+    requests: dict[str, float] = {}
+    weighted: dict[str, float] = {}
+    series = history._series if history is not None else {}
     for b in backends:
-        snap = b.engine.fresh(now) if b.engine is not None else None
-        if snap is None:
-            return {b.instance_id: (inflight.get(b.instance_id, 0), 0, 0.0) for b in backends}
-        snaps[b.instance_id] = snap
-    out = {}
-    for iid, snap in snaps.items():
+        view = b.engine
+        snap = view.latest if view is not None else None  # EngineView.fresh, inline
+        if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
+            ours_only = {b.instance_id: float(inflight.get(b.instance_id, 0)) for b in backends}
+            return ours_only, dict(ours_only)
+        iid = b.instance_id
         ours = inflight.get(iid, 0)
-        then = history.at(iid, snap.at) if history is not None else None
-        foreign = max(0, snap.active + snap.pending - (ours if then is None else then))
-        out[iid] = (ours + foreign, snap.max_active or 1, snap.kv_fraction)
-    return out
-
-
-def _weighted(counted: Mapping[str, tuple[int, int, float]]) -> dict[str, float]:
-    return {iid: n + KV_WEIGHT * slots * kv for iid, (n, slots, kv) in counted.items()}
-
-
-def _requests(counted: Mapping[str, tuple[int, int, float]]) -> dict[str, float]:
-    return {iid: float(n) for iid, (n, _, _) in counted.items()}
+        s = series.get(iid)
+        then = s.at(snap.at) if s is not None else None
+        foreign = snap.active + snap.pending - (ours if then is None else then)
+        n = float(ours + foreign if foreign > 0 else ours)
+        requests[iid] = n
+        weighted[iid] = n + KV_WEIGHT * (snap.max_active or 1) * snap.kv_fraction
+    return requests, weighted
 
 
 def loads(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
           history: InflightHistory | None = None) -> dict[str, float]:
     """instance_id -> load in requests, KV pressure added (see the module doc)."""
-    return _weighted(_counted(backends, inflight, now, history))
+    return _counted(backends, inflight, now, history)[1]
 
 
 def requests(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
              history: InflightHistory | None = None) -> dict[str, float]:
     """instance_id -> requests there, ours + foreign: the load of a choice with no cache at
     stake (see the module doc)."""
-    return _requests(_counted(backends, inflight, now, history))
+    return _counted(backends, inflight, now, history)[0]
 
 
-def _least(candidates: list[Backend], load: Mapping[str, float], rng: random.Random) -> Backend:
-    low = min(load[b.instance_id] for b in candidates)
-    best = [b for b in candidates if load[b.instance_id] == low]
+def _least(candidates: Sequence[Backend], load: Mapping[str, float], rng: random.Random) -> Backend:
+    best: list[Backend] = []
+    low = math.inf
+    for b in candidates:
+        x = load[b.instance_id]
+        if x < low:
+            low = x
+            best = [b]
+        elif x == low:
+            best.append(b)
     return best[0] if len(best) == 1 else rng.choice(best)
 
 
@@ -232,6 +278,8 @@ class PrefixAffinity(_LoadAware):
         # surely evicted it since count as none (eviction.py); one that does not, never.
         self._recency = getattr(self.index, "match_recency", None)
         self._writes: dict[str, KvWrites] = {}
+        self._views: dict[str, EngineView] = {}  # the views listened to (view_listeners.py)
+        self._seen: Sequence[Backend] | None = None  # the ready set they were last synced with
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                hints: RouteHints | None = None) -> Backend | None:
@@ -239,10 +287,9 @@ class PrefixAffinity(_LoadAware):
         if not candidates:
             return None
         now = self._clock()
-        counted = _counted(candidates, inflight, now, self.history)
-        load = _weighted(counted)
-        if self._recency is not None:
-            self._observe(candidates)
+        requests_at, load = _counted(candidates, inflight, now, self.history)
+        if self._recency is not None and backends is not self._seen:
+            self._sync(backends)
         keys = list(hints.prompt_keys) if hints is not None else []
         chosen = None
         if keys:
@@ -262,21 +309,28 @@ class PrefixAffinity(_LoadAware):
         else:
             self.last_reason = "no-prompt"
         if chosen is None:  # no cache at stake: how full each engine is, nothing more
-            chosen = _least(candidates, _requests(counted), self._rng)
+            chosen = _least(candidates, requests_at, self._rng)
         if keys:
             self.index.record(keys, chosen.instance_id)
         return self._chosen(now, backends, inflight, chosen)
 
-    def _observe(self, candidates: Sequence[Backend]) -> None:
-        """Each engine's latest counters (every decision sees the scrapes: eviction.py)."""
-        writes = self._writes
-        for b in candidates:
-            snap = b.engine.latest if b.engine is not None else None
-            if snap is not None:
-                w = writes.get(b.instance_id)
-                if w is None:
-                    w = writes[b.instance_id] = KvWrites()
-                w.observe(snap)
+    def _sync(self, backends: Sequence[Backend]) -> None:
+        """Listen to the engine views of a new ready set: every scrape feeds the eviction verdict
+        (eviction.py), off the request path."""
+        views = self._views
+        for b in backends:
+            view = b.engine
+            if view is not None and views.get(b.instance_id) is not view:
+                views[b.instance_id] = view
+                subscribe(self, b.instance_id, view)
+        self._seen = backends
+
+    def observe(self, iid: str, snap: EngineSnapshot) -> None:
+        """Every snapshot of instance `iid`'s engine, in order (its view's listener)."""
+        w = self._writes.get(iid)
+        if w is None:
+            w = self._writes[iid] = KvWrites()
+        w.observe(snap)
 
     def _held(self, keys: list[bytes]) -> tuple[dict[str, int], bool]:
         """Instance -> leading chunks of `keys` it likely holds; and whether a holder the index
