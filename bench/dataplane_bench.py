@@ -425,7 +425,7 @@ def profile(out_dir: Path, stamp: str, seconds: float, ncpu: int) -> str | None:
 # --- report ---------------------------------------------------------------------------------------
 def ratios(rows: dict[str, Any], key: str, target: str = "embedded") -> dict[str, float | None]:
     out = {}
-    for w, e in rows[target].items():
+    for w, e in rows.get(target, {}).items():
         n = rows["nginx"].get(w, {}).get(key)
         out[w] = round(e[key] / n, 3) if n else None
     return out
@@ -538,15 +538,25 @@ def _event_loop() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TARGETS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="1,2,4,8,12")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--ttft-seconds", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--targets", default=",".join(name for name, _ in TARGETS),
+                    help="a subset of " + ", ".join(name for name, _ in TARGETS))
     ap.add_argument("--long-events", type=int, default=0,
                     help="also measure streams of this many events (per-event relay cost, less per-request)")
     args = ap.parse_args(argv)
+    chosen = args.targets.split(",")
+    unknown = sorted(set(chosen) - {name for name, _ in TARGETS})
+    if unknown or not {"embedded", "nginx"} <= set(chosen):
+        print(f"dataplane_bench: --targets {args.targets}: embedded and nginx (the report compares them), "
+              f"and split if wanted", file=sys.stderr)
+        return 2
+    TARGETS = tuple((name, cls) for name, cls in TARGETS if name in chosen)
     for tool in ("wrk", "nginx", "sse_source"):
         if shutil.which(tool) is None:
             print(f"dataplane_bench: {tool} not on PATH (../shared/tools/relay-kit packs it)", file=sys.stderr)
