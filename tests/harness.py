@@ -88,15 +88,15 @@ def tagged(state_dir: Path) -> list[psutil.Process]:
     return out
 
 
+_PORT_FLAGS = ("--base-port", "--listen", "--grpc-listen", "--metrics-listen")
+
+
 class Run:
     def __init__(self, tmp: Path, *, gpus="0-3", tp=2, assume_gpus=4, proxy="embedded", extra=(),
                  env_extra: dict[str, str] | None = None, model_repo: Path = DEMO_REPO):
         tenv = triton_env()
         assert tenv is not None, "run scripts/setup-triton first"
         self.state_dir = tmp / "state"
-        base = free_port_block(3 * 8 + 3)
-        self.base_port = base
-        self.listen_port, self.grpc_port, self.metrics_port = base + 24, base + 25, base + 26
         self.env = {**os.environ, "PYTHONPATH": tenv.get("PYTHONPATH", ""),
                     "LD_LIBRARY_PATH": tenv.get("LD_LIBRARY_PATH", ""),
                     "PATH": str(Path(tenv["MPIRUN"]).parent) + os.pathsep + os.environ.get("PATH", ""),
@@ -106,13 +106,23 @@ class Run:
             "--tritonserver", tenv["TRITONSERVER"],
             f"--tritonserver-arg=--backend-directory={tenv['BACKEND_DIR']}",
             "--mpirun", tenv["MPIRUN"],
-            "--state-dir", str(self.state_dir), "--base-port", str(base), "--proxy", proxy,
-            "--listen", f"127.0.0.1:{self.listen_port}", "--grpc-listen", f"127.0.0.1:{self.grpc_port}",
-            "--metrics-listen", f"127.0.0.1:{self.metrics_port}", "--log-level", "debug", *extra]
+            "--state-dir", str(self.state_dir), "--proxy", proxy, "--log-level", "debug", *extra,
+            "--base-port", "", "--listen", "", "--grpc-listen", "", "--metrics-listen", ""]
         if assume_gpus is not None:
             self.args += ["--assume-gpus", str(assume_gpus)]
+        self._pick_ports()
         self.log_path = tmp / "daemon.log"
         self.proc: subprocess.Popen | None = None
+
+    def _pick_ports(self) -> None:
+        """A new block of ports, written into `args` in place (tests edit the rest of `args`)."""
+        base = free_port_block(3 * 8 + 3)
+        self.base_port = base
+        self.listen_port, self.grpc_port, self.metrics_port = base + 24, base + 25, base + 26
+        values = (str(base), f"127.0.0.1:{self.listen_port}", f"127.0.0.1:{self.grpc_port}",
+                  f"127.0.0.1:{self.metrics_port}")
+        for flag, value in zip(_PORT_FLAGS, values):
+            self.args[self.args.index(flag) + 1] = value
 
     def cli(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
         out = subprocess.run([sys.executable, "-m", "orchestrator", *args], env=self.env, cwd=REPO,
@@ -122,12 +132,26 @@ class Run:
         return out
 
     def start(self, wait_ready: bool = True, timeout: float = 90) -> "Run":
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", *self.args],
-                                     env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        if wait_ready:
-            self.wait_ready(timeout)
+        """`up` in the background. A free port found is not reserved: another process (a sibling
+        bench, a parallel test) may bind it before the daemon does, which then refuses to start
+        ("address in use", exit 2, nothing started). Such a start is tried again on new ports."""
+        for attempt in range(3):
+            self._log = open(self.log_path, "wb")
+            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", *self.args],
+                                         env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            if not wait_ready:
+                return self
+            try:
+                self.wait_ready(timeout)
+                return self
+            except AssertionError:
+                lost_ports = self.proc.poll() == 2 and "address in use" in self.daemon_log()
+                ours = all(flag in self.args for flag in _PORT_FLAGS)  # not moved to a config file
+                if not (lost_ports and ours) or attempt == 2:
+                    raise
+            self._log.close()
+            self._pick_ports()
         return self
 
     def status(self) -> dict:

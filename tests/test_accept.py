@@ -161,6 +161,7 @@ class Served:
 
     def __init__(self) -> None:
         self.open_connections = 0
+        self.on_closed = None
         self.transports: list[asyncio.BaseTransport] = []
 
     def __call__(self) -> asyncio.Protocol:
@@ -173,6 +174,8 @@ class Served:
 
             def connection_lost(self, exc: BaseException | None) -> None:
                 server.open_connections -= 1
+                if server.on_closed is not None:
+                    server.on_closed()
 
         return Proto()
 
@@ -272,3 +275,34 @@ def test_queued_counts_the_listening_sockets_accept_queue():
         for c in clients:
             c.close()
         sock.close()
+
+
+def test_a_workers_published_count_falls_when_its_clients_leave(tmp_path):
+    """The peers share out the next burst on what each worker holds open: a count published
+    only at accepts kept the clients that had left (a later burst of 40 went 5/35)."""
+    loop = uvloop.new_event_loop()
+    sock = listener()
+    table = table_with_workers(tmp_path, 0)
+    server = Served()
+    clients = connect_all(sock.getsockname()[1], 10)
+    try:
+        async def scenario() -> tuple[int, int]:
+            acceptor = accept._Acceptor(sock, server, LOG, share=AcceptShare(table, 0))
+            acceptor.start()
+            while server.open_connections < 10:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.01)
+            after_accept = table.connections(0)
+            for c in clients[:7]:
+                c.close()
+            deadline = time.monotonic() + 2.0
+            while server.open_connections > 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)  # (their EOFs close the transports)
+            acceptor.close()
+            return after_accept, table.connections(0)
+
+        after_accept, after_leaving = loop.run_until_complete(scenario())
+        assert after_accept == 10
+        assert after_leaving == 3  # published without a new accept
+    finally:
+        close_all(loop, server.transports, clients, sock, table)

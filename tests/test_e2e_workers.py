@@ -59,8 +59,11 @@ def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run)
         code, _ = post(run.url(GEN), body(f"w{i}"))
         assert code == 200
     assert sum(w["requests"] for w in workers(run)) >= 10
-    per_worker = connections_spread(run.listen_port, pids, 40)
-    assert sum(per_worker.values()) == 40 and min(per_worker.values()) >= 16, per_worker  # was 26 and 14
+    # Three bursts, pooled: on this shared 2-core box a worker not scheduled for 20 ms leaves its
+    # share to the other by design (accept_share.py), so a single burst was once 25/15.
+    bursts = [connections_spread(run.listen_port, pids, 40) for _ in range(3)]
+    per_worker = {pid: sum(b[pid] for b in bursts) for pid in pids}
+    assert sum(per_worker.values()) == 120 and min(per_worker.values()) >= 48, bursts  # was 26 and 14 of 40
     somaxconn = int(open("/proc/sys/net/core/somaxconn").read())  # the kernel's cap on any backlog
     assert connects_complete_while_nobody_accepts(run.listen_port, pids, 300) == min(300, somaxconn + 1)
     out = run.down()
@@ -85,19 +88,27 @@ def connections_spread(port: int, pids: list[int], n: int) -> dict[int, int]:
     Every worker is woken for the same burst, and the first one awake took most of it (26
     and 14 of 40 here, 61 and 3 of 64 in bench/accept_spread.py)."""
     socks = connect_at_once(port, n)
+    ours = {s.getsockname()[1] for s in socks}
+
+    def held(status: str | None) -> dict[int, int]:
+        return {pid: sum(1 for c in psutil.Process(pid).net_connections("tcp")
+                         if c.raddr and c.raddr.port in ours and status in (None, c.status))
+                for pid in pids}
     try:
         deadline = time.monotonic() + 10
         while True:
-            ours = {s.getsockname()[1] for s in socks}
-            held = {pid: sum(1 for c in psutil.Process(pid).net_connections("tcp")
-                             if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in ours)
-                    for pid in pids}
-            if sum(held.values()) >= n or time.monotonic() > deadline:
-                return held
+            spread = held(psutil.CONN_ESTABLISHED)
+            if sum(spread.values()) >= n or time.monotonic() > deadline:
+                return spread
             time.sleep(0.05)
     finally:
         for s in socks:
             s.close()
+        # The endpoint idle again (the workers closed their ends) before a next burst: connects
+        # racing the workers' closes are shared out on the connections still open then.
+        deadline = time.monotonic() + 10
+        while sum(held(None).values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def connects_complete_while_nobody_accepts(port: int, pids: list[int], n: int) -> int:

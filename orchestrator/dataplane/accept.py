@@ -89,6 +89,10 @@ class _Acceptor:
         self._last_warning = 0.0
         self._closed = False
         self.sockets = (sock,)
+        if share is not None and hasattr(factory, "on_closed"):
+            # A count published only at accepts went stale when clients left: the next burst
+            # was shared out as if they were still open (25/15, 5/35 of 40 on 2 workers).
+            factory.on_closed = lambda: share.publish(self._open())
 
     def start(self) -> None:
         self._resume = None

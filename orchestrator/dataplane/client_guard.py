@@ -104,6 +104,9 @@ class GuardedServer(web.Server):
         self._event_loop = asyncio.get_running_loop()
         self.limits = limits
         self.open_connections = 0
+        # Told when a counted connection closes (accept.py publishes the count to the other
+        # workers: their shares of the next burst are computed from it).
+        self.on_closed: Callable[[], None] | None = None
         # Accepted connections that have not sent a byte yet (their first request may be on
         # the way): a shutdown closes them after it (module doc).
         self.fresh: set["_GuardedProtocol"] = set()
@@ -185,7 +188,10 @@ class _GuardedProtocol(RequestHandler):
         if not self._counted:
             return
         self._counted = False
-        self._guard.open_connections -= 1
+        guard = self._guard
+        guard.open_connections -= 1
+        if guard.on_closed is not None:
+            guard.on_closed()
         super().connection_lost(exc)
 
     def close(self) -> None:

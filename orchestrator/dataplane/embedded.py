@@ -265,8 +265,8 @@ class EmbeddedProxy:
                     await site.stop()
                 if runner.server is not None:
                     runner.server.pre_shutdown()
-        for server in self._servers:
-            await server.settle(min(FIRST_REQUEST_GRACE_S, max(grace_s, 0)))
+        # together: each may wait the whole first-request grace
+        await asyncio.gather(*(server.settle(min(FIRST_REQUEST_GRACE_S, max(grace_s, 0))) for server in self._servers))
         # 2. let in-flight requests finish, up to the grace.
         if self._handlers:
             _, pending = await asyncio.wait(list(self._handlers), timeout=max(grace_s, 0))

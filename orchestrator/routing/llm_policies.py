@@ -136,6 +136,15 @@ class InflightHistory:
             if s.last != n:
                 s.add(now, n, now - self.keep_s)
 
+    def note_choice(self, now: float, chosen: str, count: int) -> None:
+        """The chosen instance's count with its new request, the others' noted already
+        (`_counted(..., note=True)`)."""
+        s = self._series.get(chosen)
+        if s is None:
+            s = self._series[chosen] = _Series()
+        if s.last != count:
+            s.add(now, count, now - self.keep_s)
+
     def at(self, instance_id: str, when: float) -> int | None:
         """Our count there at `when` (an upper bound), or None when nothing was noted before it."""
         s = self._series.get(instance_id)
@@ -145,7 +154,7 @@ class InflightHistory:
 class _Series:
     """One instance's notes, oldest first; `start` skips those no longer kept (deleted in bulk)."""
 
-    __slots__ = ("times", "counts", "start", "last", "_asked", "_answer")
+    __slots__ = ("times", "counts", "start", "last", "asked", "answer")
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -154,11 +163,11 @@ class _Series:
         self.last: int | None = None
         # The last `at` asked and its answer: every choice asks at its snapshot's time, which
         # changes once per scrape.
-        self._asked: float | None = None
-        self._answer: int | None = None
+        self.asked: float | None = None
+        self.answer: int | None = None
 
     def add(self, now: float, n: int, horizon: float) -> None:
-        self._asked = None
+        self.asked = None
         times = self.times
         times.append(now)
         self.counts.append(n)
@@ -173,36 +182,51 @@ class _Series:
                 self.start = 0
 
     def at(self, when: float) -> int | None:
-        if when == self._asked:
-            return self._answer
+        if when == self.asked:
+            return self.answer
         i = bisect_right(self.times, when, self.start) - 1
-        self._asked = when
-        self._answer = answer = self.counts[i] if i >= self.start else None
+        self.asked = when
+        self.answer = answer = self.counts[i] if i >= self.start else None
         return answer
 
 
 def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
-             history: InflightHistory | None) -> tuple[dict[str, float], dict[str, float]]:
+             history: InflightHistory | None, note: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """(instance_id -> requests: ours + foreign, instance_id -> the same with KV pressure added);
     ours alone for every candidate when any candidate's snapshot is stale. One pass: every
-    choice runs it over every candidate."""
+    choice runs it over every candidate. With `note`, each count read is also noted in `history`
+    at `now` (after its own look-up): the choice then notes only what it adds (`note_choice`)."""
     requests: dict[str, float] = {}
     weighted: dict[str, float] = {}
     series = history._series if history is not None else {}
+    horizon = now - history.keep_s if history is not None else now
+    stale = False
     for b in backends:
-        view = b.engine
-        snap = view.latest if view is not None else None  # EngineView.fresh, inline
-        if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
-            ours_only = {b.instance_id: float(inflight.get(b.instance_id, 0)) for b in backends}
-            return ours_only, dict(ours_only)
         iid = b.instance_id
         ours = inflight.get(iid, 0)
         s = series.get(iid)
-        then = s.at(snap.at) if s is not None else None
-        foreign = snap.active + snap.pending - (ours if then is None else then)
-        n = float(ours + foreign if foreign > 0 else ours)
-        requests[iid] = n
-        weighted[iid] = n + KV_WEIGHT * (snap.max_active or 1) * snap.kv_fraction
+        if not stale:
+            view = b.engine
+            snap = view.latest if view is not None else None  # EngineView.fresh, inline
+            if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
+                stale = True
+            else:
+                at = snap.at
+                # _Series.at and EngineSnapshot.kv_fraction, inline: 16 candidates a choice
+                then = None if s is None else s.answer if s.asked == at else s.at(at)
+                foreign = snap.active + snap.pending - (ours if then is None else then)
+                n = float(ours + foreign if foreign > 0 else ours)
+                requests[iid] = n
+                kv_max = snap.kv_max
+                weighted[iid] = n + KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else n
+        if note:
+            if s is None:
+                s = series[iid] = _Series()
+            if s.last != ours:
+                s.add(now, ours, horizon)
+    if stale:
+        ours_only = {b.instance_id: float(inflight.get(b.instance_id, 0)) for b in backends}
+        return ours_only, dict(ours_only)
     return requests, weighted
 
 
@@ -283,11 +307,13 @@ class PrefixAffinity(_LoadAware):
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                hints: RouteHints | None = None) -> Backend | None:
-        candidates = [b for b in backends if b.instance_id not in skip]
+        candidates = [b for b in backends if b.instance_id not in skip] if skip else backends
         if not candidates:
             return None
         now = self._clock()
-        requests_at, load = _counted(candidates, inflight, now, self.history)
+        # Skipped instances are not noted: their counts can only fall until they are chosen, and
+        # a note is an upper bound until the next one (InflightHistory).
+        requests_at, load = _counted(candidates, inflight, now, self.history, note=True)
         if self._recency is not None and backends is not self._seen:
             self._sync(backends)
         keys = list(hints.prompt_keys) if hints is not None else []
@@ -312,7 +338,8 @@ class PrefixAffinity(_LoadAware):
             chosen = _least(candidates, requests_at, self._rng)
         if keys:
             self.index.record(keys, chosen.instance_id)
-        return self._chosen(now, backends, inflight, chosen)
+        self.history.note_choice(now, chosen.instance_id, inflight.get(chosen.instance_id, 0) + 1)
+        return chosen
 
     def _sync(self, backends: Sequence[Backend]) -> None:
         """Listen to the engine views of a new ready set: every scrape feeds the eviction verdict
