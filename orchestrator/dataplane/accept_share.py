@@ -12,9 +12,10 @@ proxy's time to first event at 256 streams: p99 40-67 ms against NGINX's 4-10
 The rule: this worker takes what brings it up to an equal share of every open connection
 plus the waiting ones, among the workers that are accepting and alive (shared table:
 each worker publishes its own count when it wakes, after it accepts, and when a client
-leaves). Past its share it declines, and the socket stays readable for the others. A decline is bounded in time
-(accept.DEFER_MAX_S): a peer under its share whose loop is busy or stuck must not leave a
-client waiting; after the bound this worker takes one per look (accept.DEFER_S).
+leaves). Past its share it declines, and the socket stays readable for the others. A
+decline is bounded in time (accept.DEFER_MAX_S): a peer under its share whose loop is busy
+or stuck must not leave a client waiting; after the bound this worker takes one per look
+(accept.DEFER_S).
 
 The waiting connections are the listening socket's accept queue (TCP_INFO's tcpi_unacked
 on a listening socket: one getsockopt per wakeup, not per connection).
