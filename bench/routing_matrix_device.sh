@@ -9,6 +9,9 @@
 #       (other cells: one process per ';'-separated group; a group's cells share an engine cell)
 #   TARGETS=prefix-affinity,least-outstanding,nginx bench/routing_matrix_device.sh OUTDIR
 #       (fewer targets: a policy change against the baselines, in 3/5 of the time)
+#   ROUNDS=2 bench/routing_matrix_device.sh OUTDIR 15
+#       (every target visited twice per cell, in rotated order: the cell's verdict on the
+#       medians, less at the mercy of one noisy visit; twice the time)
 #
 # Needs, carried from the CPU machine (both ignored by git, under .carry/):
 #   .carry/payload     scripts/pack-gpu-payload .carry/payload   (tritonserver + wheels, ~30 MB)
@@ -53,7 +56,7 @@ if [ -n "${CELLS:-}" ]; then IFS=';' read -r -a groups <<<"$CELLS"; fi
 pids=()
 for i in "${!groups[@]}"; do
   mkdir -p "$work/part$i"
-  "$py" -m bench.routing_bench --cells "${groups[$i]}" --seconds "$seconds" --drain-s 10 --rounds 1 \
+  "$py" -m bench.routing_bench --cells "${groups[$i]}" --seconds "$seconds" --drain-s 10 --rounds "${ROUNDS:-1}" \
     ${TARGETS:+--targets "$TARGETS"} --no-sim --out "$work/part$i" >"$work/log$i" 2>&1 &
   pids+=($!)
 done
