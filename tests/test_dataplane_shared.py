@@ -106,6 +106,8 @@ def test_a_ready_sets_counts_are_read_together(tmp_path):
     assert view.of(ready) == {"1": 2, "2": 0, "3": 1, "4": 0}  # read again, not kept
     assert view.of(backends(2)) == {"0": 0, "1": 2}  # another ready set: its own columns
     assert view.of(()) == {}
+    beyond = (Backend("300", "127.0.0.1", 1, 2, 3), *backends(2))  # no column in the table: 0, as get()
+    assert view.of(beyond) == {"300": 0, "0": 0, "1": 2} and view.get("300") == 0
 
 
 # --- the prefix index ----------------------------------------------------------------------

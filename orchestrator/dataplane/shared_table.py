@@ -26,8 +26,8 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 MAGIC = 0x7472746C6C6D6F31  # "trtllmo1"
 LAYOUT_VERSION = 1
@@ -133,10 +133,10 @@ class SharedTable:
         """`inflight` of instances first..end-1 at once: a row slice per worker in use, not a
         column per instance (16 instances, 4 workers: 2 us instead of 7)."""
         i32 = self._i32
-        row = (_INFLIGHT_OFF >> 2) + first
         width = end - first
-        rows = [i32[r:r + width].tolist() for r in range(row, row + (i32[_ROWS_CELL] or MAX_WORKERS) * MAX_INSTANCES,
-                                                          MAX_INSTANCES)]
+        start = (_INFLIGHT_OFF >> 2) + first
+        stop = start + (i32[_ROWS_CELL] or MAX_WORKERS) * MAX_INSTANCES
+        rows = [i32[r:r + width].tolist() for r in range(start, stop, MAX_INSTANCES)]
         return [sum(column) for column in zip(*rows)] if len(rows) > 1 else rows[0]
 
     def worker_inflight(self, worker: int) -> int:
@@ -217,7 +217,7 @@ class GlobalInflight(Mapping[str, int]):
         self._table = table
         self.ids = ids
         self._columns_of: Sequence[Any] | None = None  # the ready set `of` last read, and its columns
-        self._columns: tuple[int, int, list[tuple[str, int]]] = (0, 0, [])
+        self._columns: tuple[int, int, list[tuple[str, int]], list[str]] = (0, 0, [], [])
 
     def __getitem__(self, instance_id: str) -> int:
         return self._table.inflight(instance_index(instance_id))
@@ -233,16 +233,23 @@ class GlobalInflight(Mapping[str, int]):
         routing decision reads. The ready set is one list until it changes: its columns are
         worked out once per list, not per decision."""
         if backends is not self._columns_of:
-            index = {b.instance_id: instance_index(b.instance_id) for b in backends}
+            index: dict[str, int] = {}
+            beyond: list[str] = []  # ids the table has no column for: 0, as `get` answers them
+            for b in backends:
+                try:
+                    index[b.instance_id] = instance_index(b.instance_id)
+                except (ValueError, TableError):
+                    beyond.append(b.instance_id)
             first = min(index.values(), default=0)
             self._columns = (first, max(index.values(), default=-1) + 1,
-                             [(iid, i - first) for iid, i in index.items()])
+                             [(iid, i - first) for iid, i in index.items()], beyond)
             self._columns_of = backends
-        first, end, columns = self._columns
-        if end <= first:
-            return {}
-        counts = self._table.inflight_span(first, end)
-        return {iid: counts[i] for iid, i in columns}
+        first, end, columns, beyond = self._columns
+        out = dict.fromkeys(beyond, 0)
+        if end > first:
+            counts = self._table.inflight_span(first, end)
+            out.update((iid, counts[i]) for iid, i in columns)
+        return out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.ids)
