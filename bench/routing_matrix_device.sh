@@ -15,7 +15,9 @@
 #
 # Needs, carried from the CPU machine (both ignored by git, under .carry/):
 #   .carry/payload     scripts/pack-gpu-payload .carry/payload   (tritonserver + wheels, ~30 MB)
-#   .carry/relay-kit   ../shared/tools/relay-kit .carry/relay-kit (nginx for the nginx target, ~12 MB)
+#   .carry/relay-kit   ../shared/tools/relay-kit .carry/relay-kit (nginx for the nginx target, ~12 MB),
+#                      or it packed: tar -C .carry/relay-kit -cJf .carry/rk.tar.xz . (3.6 MB; the payload,
+#                      the tree and the directory passed the device's 64 MiB in November 2026)
 # and python3 with aiohttp and psutil (the GPU image's /opt/torch/.venv has both).
 #
 # Writes OUTDIR/routing_bench-<stamp>.{json,png} (bench/routing_bench.py --merge of the four)
@@ -41,6 +43,9 @@ trap 'rm -rf "$work"' EXIT
   # (where nothing is carried, as on the CPU machine: the .triton and nginx already there)
   if [ -d .carry/payload ]; then "$py" scripts/unpack-gpu-payload .carry/payload --python "$py"; fi
 } >>"$log" 2>&1
+if [ -f .carry/rk.tar.xz ] && [ ! -d .carry/relay-kit ]; then
+  mkdir -p .carry/relay-kit && tar -xJf .carry/rk.tar.xz -C .carry/relay-kit
+fi
 if [ -d .carry/relay-kit ]; then export PATH="$PWD/.carry/relay-kit/bin:$PATH"; fi
 command -v nginx >>"$log"
 
