@@ -18,7 +18,7 @@ Median of 5 rounds of 2000 decisions. With `--baseline-tree DIR` (a checkout of 
 commit) every configuration also runs on that tree's code, in alternation with this one, so
 the two are compared on the same noisy machine minutes apart: `before_us` beside `us`.
 
-Output: a table, bench/results/decision_cost-<stamp>.{json,md,png}.
+Output: a table, bench/results/decision_cost-<stamp>.{json,md,png} (`--out DIR`: there instead).
 """
 
 from __future__ import annotations
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default=",".join(RATES))
     ap.add_argument("--baseline-tree", type=Path, help="a checkout of an earlier commit, measured alike")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", type=Path, help="write the result here instead of bench/results")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from bench.common import machine, table, write_result
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                   capture_output=True, text=True).stdout.strip() or str(a.baseline_tree)
     path = write_result("decision_cost", {"bench": "decision_cost", "rows": rows, "baseline": baseline,
                                           "worker_rows": WORKER_ROWS, "rounds": ROUNDS, "decisions": DECISIONS,
-                                          "machine": machine()}, plot)
+                                          "machine": machine()}, plot, results=a.out)
     path.with_suffix(".md").write_text(f"# decision_cost ({path.stem})\n\nbaseline: {baseline or 'none'}; "
                                        f"us = median of {ROUNDS} x {DECISIONS} Balancer.pick\n\n{report}\n")
     print("wrote", path)
