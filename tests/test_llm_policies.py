@@ -226,7 +226,7 @@ def test_foreign_work_is_counted_against_what_we_had_in_flight_when_the_engine_w
     b = backend("1", snap(active=1, at=NOW - 0.05))
     policy = KvAware(random.Random(1), clock=lambda: NOW - 0.1)
     assert policy.choose([a, b], {"1"}, {"0": 2, "1": 1}).instance_id == "0"
-    # noted: "0" had 3 (2 + the one it just got), "1" had 1
+    # noted: "0" had 3 (2 + the one it just got); "1", skipped, is not noted
     assert loads([a, b], {"0": 1, "1": 1}, NOW, policy.history) == {"0": 1.0, "1": 1.0}
     # Without the history, those two finished requests would count as someone else's work.
     assert loads([a, b], {"0": 1, "1": 1}, NOW) == {"0": 3.0, "1": 1.0}
@@ -240,11 +240,11 @@ def test_inflight_history_answers_from_a_long_busy_series():
     time, before and after the older notes are let go in bulk."""
     from orchestrator.routing.llm_policies import InflightHistory
     history = InflightHistory(keep_s=2.0)
-    bs = [Backend(str(i), "127.0.0.1", 1, 2, 3) for i in range(2)]
     truth = []
     for k in range(6000):  # 6 s at 1000 choices a second, the count of "0" going 0..9
         t = 100.0 + k / 1000
-        history.note(t, bs, {"0": k % 10, "1": 0}, "1")
+        history.note_choice(t, "0", k % 10)
+        history.note_choice(t, "1", 1)
         truth.append((t, k % 10))
     now = truth[-1][0]
     for t, n in truth[-1500:]:

@@ -125,20 +125,10 @@ class InflightHistory:
         self.keep_s = keep_s
         self._series: dict[str, _Series] = {}
 
-    def note(self, now: float, backends: Sequence[Backend], inflight: Mapping[str, int], chosen: str) -> None:
-        series = self._series
-        for b in backends:
-            iid = b.instance_id
-            n = inflight.get(iid, 0) + (iid == chosen)
-            s = series.get(iid)
-            if s is None:
-                s = series[iid] = _Series()
-            if s.last != n:
-                s.add(now, n, now - self.keep_s)
-
     def note_choice(self, now: float, chosen: str, count: int) -> None:
-        """The chosen instance's count with its new request, the others' noted already
-        (`_counted(..., note=True)`)."""
+        """The chosen instance's count with its new request; the candidates' counts as read were
+        noted by `_counted(..., note=True)`. Instances skipped by the choice are not noted: their
+        counts can only fall until they are chosen, and a note is an upper bound until the next."""
         s = self._series.get(chosen)
         if s is None:
             s = self._series[chosen] = _Series()
@@ -265,17 +255,17 @@ class _LoadAware:
         self.history = InflightHistory()
         self.last_reason = ""
 
-    def _measure(self, backends: Sequence[Backend], skip: Collection[str],
-                 inflight: Mapping[str, int]) -> tuple[list[Backend], dict[str, float], float] | None:
-        candidates = [b for b in backends if b.instance_id not in skip]
+    def _measure(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int]
+                 ) -> tuple[Sequence[Backend], dict[str, float], dict[str, float], float] | None:
+        """(candidates, their requests, their KV-weighted loads, now), the counts read noted."""
+        candidates = [b for b in backends if b.instance_id not in skip] if skip else backends
         if not candidates:
             return None
         now = self._clock()
-        return candidates, loads(candidates, inflight, now, self.history), now
+        return (candidates, *_counted(candidates, inflight, now, self.history, note=True), now)
 
-    def _chosen(self, now: float, backends: Sequence[Backend], inflight: Mapping[str, int],
-                chosen: Backend) -> Backend:
-        self.history.note(now, backends, inflight, chosen.instance_id)
+    def _chosen(self, now: float, inflight: Mapping[str, int], chosen: Backend) -> Backend:
+        self.history.note_choice(now, chosen.instance_id, inflight.get(chosen.instance_id, 0) + 1)
         return chosen
 
 
@@ -287,9 +277,9 @@ class KvAware(_LoadAware):
         measured = self._measure(backends, skip, inflight)
         if measured is None:
             return None
-        candidates, load, now = measured
+        candidates, _, load, now = measured
         self.last_reason = "load"
-        return self._chosen(now, backends, inflight, _least(candidates, load, self._rng))
+        return self._chosen(now, inflight, _least(candidates, load, self._rng))
 
 
 class PrefixAffinity(_LoadAware):
@@ -307,13 +297,10 @@ class PrefixAffinity(_LoadAware):
 
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                hints: RouteHints | None = None) -> Backend | None:
-        candidates = [b for b in backends if b.instance_id not in skip] if skip else backends
-        if not candidates:
+        measured = self._measure(backends, skip, inflight)
+        if measured is None:
             return None
-        now = self._clock()
-        # Skipped instances are not noted: their counts can only fall until they are chosen, and
-        # a note is an upper bound until the next one (InflightHistory).
-        requests_at, load = _counted(candidates, inflight, now, self.history, note=True)
+        candidates, requests_at, load, now = measured
         if self._recency is not None and backends is not self._seen:
             self._sync(backends)
         keys = list(hints.prompt_keys) if hints is not None else []
@@ -338,8 +325,7 @@ class PrefixAffinity(_LoadAware):
             chosen = _least(candidates, requests_at, self._rng)
         if keys:
             self.index.record(keys, chosen.instance_id)
-        self.history.note_choice(now, chosen.instance_id, inflight.get(chosen.instance_id, 0) + 1)
-        return chosen
+        return self._chosen(now, inflight, chosen)
 
     def _sync(self, backends: Sequence[Backend]) -> None:
         """Listen to the engine views of a new ready set: every scrape feeds the eviction verdict
