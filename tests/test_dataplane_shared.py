@@ -434,3 +434,11 @@ def test_prefix_recorded_right_after_a_restart_counts(tmp_path):
     clock.t += 0.001
     a.record(keys("x", 2), "1")  # within the rewrite window, but its earlier write is void
     assert b.match(keys("x", 2)) == (2, {"1": 2})
+
+
+def test_an_all_zero_key_is_matched_as_it_is_recorded(tmp_path):
+    """The empty slot's key stands for no key: record() stores an all-zero digest under another
+    key, and match() looks it up under the same one."""
+    clock, a, b = two_workers_index(tmp_path)
+    a.record([bytes(16)], "2")
+    assert b.match([bytes(16)]) == (1, {"2": 1})

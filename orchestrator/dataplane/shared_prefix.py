@@ -206,7 +206,7 @@ class SharedPrefixIndex:
     def _holders(self, key: bytes, oldest: float) -> dict[int, float]:
         """Holder index -> when it was last routed `key`, for the holders still valid ({}: none,
         or the key is not stored)."""
-        if len(key) != KEY_BYTES:
+        if len(key) != KEY_BYTES or key == _EMPTY_KEY:  # as record() stores it
             key = _key16(key)
         mm = self._mm
         mask = self._mask
