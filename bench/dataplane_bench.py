@@ -79,14 +79,16 @@ def layout(workers: int, ncpu: int) -> tuple[list[int], list[int], list[int]]:
     """(relay cores, source cores, wrk cores) for W workers."""
     relay = list(range(workers))
     rest = list(range(workers, ncpu)) or [ncpu - 1]
-    nwrk = max(1, min(4, len(rest) // 2))
+    # wrk: 4 threads on the 16-core machine; 8 where many cores are left (a 64-core host at 12
+    # workers relays a few million events/s, more than 4 wrk threads read)
+    nwrk = max(1, min(4 if len(rest) < 32 else 8, len(rest) // 2))
     return relay, (rest[:-nwrk] or rest), rest[-nwrk:]
 
 
 # --- sources ------------------------------------------------------------------------------------
 class Sources:
-    def __init__(self, n: int, events: int, gap_us: int) -> None:
-        self.items = [SseSource(events, gap_us) for _ in range(n)]
+    def __init__(self, n: int, events: int, gap_us: int, procs: int = 1) -> None:
+        self.items = [SseSource(events, gap_us, procs) for _ in range(n)]
 
     def __enter__(self) -> "Sources":
         for s in self.items:
@@ -103,7 +105,7 @@ class Sources:
 
     @property
     def pids(self) -> list[int]:
-        return [s.proc.pid for s in self.items if s.proc is not None]
+        return [p.pid for s in self.items for p in s.procs]
 
     def pin(self, cpus: list[int]) -> None:
         for i, pid in enumerate(self.pids):
@@ -303,17 +305,17 @@ def measure(target: Any, cores: tuple[list[int], list[int], list[int]], sources:
             "source_cores_busy": round(src_cpu / dur / len(src_cores), 2)}
 
 
-def scaling(workers: list[int], seconds: float, ncpu: int, events: int) -> dict[str, Any]:
+def scaling(workers: list[int], seconds: float, ncpu: int, events: int, source_procs: int = 1) -> dict[str, Any]:
     from bench.common import free_port
     rows: dict[str, dict[str, Any]] = {}
     for w in workers:
         cores = layout(w, ncpu)
-        with Sources(SOURCES, events, 0) as sources:
+        with Sources(SOURCES, events, 0, source_procs) as sources:
             sources.pin(cores[1])
             for name, cls in TARGETS:
                 with cls(w, sources.ports, free_port()) as target:
                     r = measure(target, cores, sources, seconds, events)
-                dead = [s.port for s in sources.items if s.proc is not None and s.proc.poll() is not None]
+                dead = [s.port for s in sources.items if s.dead]
                 if dead:  # a row measured on fewer sources than the others is not comparable
                     raise RuntimeError(f"sse_source on port(s) {dead} died during the {name} row")
                 rows.setdefault(name, {})[str(w)] = r
@@ -432,7 +434,9 @@ def ratios(rows: dict[str, Any], key: str, target: str = "embedded") -> dict[str
 
 
 def _stream_table(result: dict[str, Any], key: str, events: int) -> list[str]:
-    lines = [f"## SSE events/s (wrk, 256 streams x {events} events, 8 sse_source backends)", "",
+    procs = result.get("source_procs", 1)
+    backends = f"{result.get('sources', SOURCES)} sse_source backends" + (f" of {procs} processes each" if procs > 1 else "")
+    lines = [f"## SSE events/s (wrk, 256 streams x {events} events, {backends})", "",
              "| workers | embedded ev/s | split ev/s | nginx ev/s | embedded / nginx | split / nginx | "
              "CPU-s/1k ev emb / split / nginx | p99 ms emb / split / nginx | sources busy emb / split / nginx |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -549,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a subset of " + ", ".join(name for name, _ in TARGETS))
     ap.add_argument("--long-events", type=int, default=0,
                     help="also measure streams of this many events (per-event relay cost, less per-request)")
+    ap.add_argument("--source-procs", type=int, default=1,
+                    help="processes per source (one port, SO_REUSEPORT) in the scaling rows: a source is one "
+                         "core's worth (~250k events/s), so 8 of them cap a relay with many workers; "
+                         "4 on a 64-core host")
     args = ap.parse_args(argv)
     chosen = args.targets.split(",")
     unknown = sorted(set(chosen) - {name for name, _ in TARGETS})
@@ -570,24 +578,25 @@ def main(argv: list[str] | None = None) -> int:
     default_w = Settings().worker_count(ncpu)
     result: dict[str, Any] = {"stamp": stamp, "machine": f"{ncpu} cores, {os.uname().release}, Python "
                               f"{sys.version.split()[0]}", "workers": workers, "default_workers": default_w,
-                              "connections": CONNECTIONS, "sources": SOURCES, "events_per_stream": EVENTS,
+                              "connections": CONNECTIONS, "sources": SOURCES, "source_procs": args.source_procs,
+                              "events_per_stream": EVENTS,
                               "seconds": args.seconds,
                               # the workers run this interpreter: uvloop when it imports (a dependency)
                               "event_loop": _event_loop(),
                               "layout": {str(w): dict(zip(("relay", "sources", "wrk"), layout(w, ncpu)))
                                          for w in workers}}
     log(f"stream scaling on {ncpu} cores: workers {workers}")
-    result["stream"] = scaling(workers, args.seconds, ncpu, EVENTS)
+    result["stream"] = scaling(workers, args.seconds, ncpu, EVENTS, args.source_procs)
     result["stream_ratio"] = ratios(result["stream"], "events_per_s")
     result["stream_split_ratio"] = ratios(result["stream"], "events_per_s", "split")
     if args.long_events:
         log(f"long streams ({args.long_events} events)")
         result["long_events_per_stream"] = args.long_events
-        result["stream_long"] = scaling(workers, args.seconds, ncpu, args.long_events)
+        result["stream_long"] = scaling(workers, args.seconds, ncpu, args.long_events, args.source_procs)
         result["stream_long_ratio"] = ratios(result["stream_long"], "events_per_s")
         result["stream_long_split_ratio"] = ratios(result["stream_long"], "events_per_s", "split")
     log("tiny generate")
-    result["tiny"] = scaling(workers, args.seconds / 2, ncpu, 1)
+    result["tiny"] = scaling(workers, args.seconds / 2, ncpu, 1, args.source_procs)
     result["tiny_ratio"] = ratios(result["tiny"], "rps")
     result["tiny_split_ratio"] = ratios(result["tiny"], "rps", "split")
     log("time to first event")

@@ -6,7 +6,10 @@
  * read by its Content-Length and ignored) with a text/event-stream of EVENTS events
  * shaped like Triton's generate_stream ones, each in its own chunk and its own write(),
  * EVENT_GAP_US apart per stream (0: as fast as the socket takes them), then the last
- * chunk; the connection stays open for the next request. One thread, epoll.
+ * chunk; the connection stays open for the next request. One thread, epoll. It prints
+ * "listening" once its socket listens. The socket has SO_REUSEPORT: several processes on one
+ * PORT share its connections (the kernel spreads them), one instance with many cores' worth of
+ * capacity, for a relay with many workers (bench/dataplane_bench.py --source-procs).
  *
  * Why C: the relay under test (a Python proxy, or NGINX) must be the bottleneck, not the
  * source; the twin model is Python in tritonserver and shares the same two cores.
@@ -42,6 +45,7 @@ struct conn {
 };
 
 static struct conn *conns[MAXC];
+static int top_fd;  /* conns[] scans stop here: one past the highest fd ever accepted */
 static int events_per_stream;
 static long long gap_us;
 static int ep;
@@ -149,12 +153,15 @@ int main(int argc, char **argv) {
     int ls = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
     int one = 1;
     setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    setsockopt(ls, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (bind(ls, (struct sockaddr *)&a, sizeof a) || listen(ls, 1024)) {
         perror("bind/listen");
         return 1;
     }
+    printf("listening\n");
+    fflush(stdout);
     ep = epoll_create1(0);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = ls};
     epoll_ctl(ep, EPOLL_CTL_ADD, ls, &ev);
@@ -162,7 +169,7 @@ int main(int argc, char **argv) {
     for (;;) {
         /* Wait no longer than the next due event of a stream. */
         long long now = now_us(), next = -1;
-        for (int fd = 0; fd < MAXC; fd++) {
+        for (int fd = 0; fd < top_fd; fd++) {
             struct conn *c = conns[fd];
             if (c && c->streaming && !c->blocked) {
                 long long d = c->due_us - now;
@@ -178,6 +185,7 @@ int main(int argc, char **argv) {
                 int cfd;
                 while ((cfd = accept4(ls, NULL, NULL, SOCK_NONBLOCK)) >= 0) {
                     if (cfd >= MAXC) { close(cfd); continue; }
+                    if (cfd >= top_fd) top_fd = cfd + 1;
                     setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
                     struct conn *c = calloc(1, sizeof *c);
                     c->fd = cfd;
@@ -206,7 +214,7 @@ int main(int argc, char **argv) {
             }
         }
         now = now_us();
-        for (int fd = 0; fd < MAXC; fd++) {
+        for (int fd = 0; fd < top_fd; fd++) {
             struct conn *c = conns[fd];
             if (c && step(c, now) < 0) drop(c);
         }

@@ -108,15 +108,28 @@ def idle_cpu_rate(pids: list[int], seconds: float = 2.0) -> float:
 
 # --- a compiled token source ---------------------------------------------------------------
 class SseSource:
-    """bench/sse_source.c, compiled on first use (cc), serving SSE streams on a free port."""
+    """bench/sse_source.c, compiled on first use (cc), serving SSE streams on a free port:
+    `procs` processes on that one port (SO_REUSEPORT), one instance with `procs` cores' worth
+    of capacity."""
 
     _binary: Path | None = None
 
-    def __init__(self, events: int, gap_us: int) -> None:
+    def __init__(self, events: int, gap_us: int, procs: int = 1) -> None:
         self.port = free_port()
         self.events = events
         self.gap_us = gap_us
-        self.proc: subprocess.Popen | None = None
+        self.nprocs = procs
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The first process (the only one unless `procs` > 1)."""
+        return self.procs[0] if self.procs else None
+
+    @property
+    def dead(self) -> bool:
+        """Whether any of its processes exited."""
+        return any(p.poll() is not None for p in self.procs)
 
     @classmethod
     def build(cls) -> Path:
@@ -130,15 +143,26 @@ class SseSource:
         return cls._binary
 
     def start(self) -> "SseSource":
-        self.proc = subprocess.Popen([str(self.build()), str(self.port), str(self.events), str(self.gap_us)],
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(self.nprocs):
+            proc = subprocess.Popen([str(self.build()), str(self.port), str(self.events), str(self.gap_us)],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+            self.procs.append(proc)
+            # each one listening before the next starts and before any load: a process that joined
+            # the port's group late would get none of the connections opened before it
+            if proc.stdout is None or not proc.stdout.readline().startswith(b"listening"):
+                self.stop()
+                raise RuntimeError(f"sse_source on port {self.port} exited before listening")
         wait_port(self.port, proc=self.proc)
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(5)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            proc.wait(5)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def fake_status(ports: list[int]) -> dict[str, Any]:
