@@ -46,6 +46,13 @@ against least-outstanding's 368).
 The weighing of a holder against the slack keeps `loads` (with the KV term): by
 requests alone there, the 64-slot tenant cells lost (s64/room1.5/uniform/r1 TTFT p90
 92 -> 156 ms, s64/room4/zipf/r1 126 -> 1551; least-outstanding 88 and 2772).
+Among the holders within the slack the deepest wins, and among equally deep ones the
+fewest `requests`: the cache is equally at stake on each, so the choice is one with no
+cache at stake. By the KV-weighted load there, the 64-slot cells where every instance
+holds every tenant ran 1.08 x NGINX's TTFT p90 in the simulator (s64/room1.5/uniform/r1
+91.6 ms, by requests 87.3; 1.45 x on the GPU machine). Ties are taken in turn (`_Turns`).
+With both, the simulator's 80 cells (bench/README.md, routing_sim-20261126T053400Z) are
+within 3% of the best baseline in 69 (54 before; either change alone: 58, 60).
 """
 
 from __future__ import annotations
@@ -233,7 +240,7 @@ def requests(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
     return _counted(backends, inflight, now, history)[0]
 
 
-def _least(candidates: Sequence[Backend], load: Mapping[str, float], rng: random.Random) -> Backend:
+def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "_Turns") -> Backend:
     best: list[Backend] = []
     low = math.inf
     for b in candidates:
@@ -243,15 +250,41 @@ def _least(candidates: Sequence[Backend], load: Mapping[str, float], rng: random
             best = [b]
         elif x == low:
             best.append(b)
-    return best[0] if len(best) == 1 else rng.choice(best)
+    return best[0] if len(best) == 1 else turns.oldest(best)
+
+
+class _Turns:
+    """Ties in load are taken in turn: of the instances as lightly loaded as the least, the one
+    this policy chose longest ago, as NGINX's least_conn takes its equals in round-robin order.
+
+    Ties are common wherever engines are not saturated (both idle, or one request each), and
+    taking them at random sent runs of requests to one instance there: in bench/routing_sim.py
+    least-outstanding (random ties) was 4-9% behind NGINX in TTFT p90 on the open-loop cells
+    without a shared prefix (s8/room4/unique/r1 159 vs 148 ms, s64/room4/unique/r0 145 vs 132),
+    and the default, routing those by requests too, with it."""
+
+    __slots__ = ("_last", "_n")
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}  # instance_id -> the number of its last choice
+        self._n = 0
+
+    def chosen(self, instance_id: str) -> None:
+        self._n += 1
+        self._last[instance_id] = self._n
+
+    def oldest(self, tied: list[Backend]) -> Backend:
+        last = self._last
+        return min(tied, key=lambda b: last.get(b.instance_id, 0))
 
 
 class _LoadAware:
-    """What both policies share: the candidates, their loads, and the in-flight history."""
+    """What both policies share: the candidates, their loads, and the in-flight history. Ties
+    are taken in turn (`_Turns`); `rng` is taken for the policies' common signature."""
 
     def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic) -> None:
-        self._rng = rng
         self._clock = clock
+        self._turns = _Turns()
         self.history = InflightHistory()
         self.last_reason = ""
 
@@ -266,6 +299,7 @@ class _LoadAware:
 
     def _chosen(self, now: float, inflight: Mapping[str, int], chosen: Backend) -> Backend:
         self.history.note_choice(now, chosen.instance_id, inflight.get(chosen.instance_id, 0) + 1)
+        self._turns.chosen(chosen.instance_id)
         return chosen
 
 
@@ -279,7 +313,7 @@ class KvAware(_LoadAware):
             return None
         candidates, _, load, now = measured
         self.last_reason = "load"
-        return self._chosen(now, inflight, _least(candidates, load, self._rng))
+        return self._chosen(now, inflight, _least(candidates, load, self._turns))
 
 
 class PrefixAffinity(_LoadAware):
@@ -313,7 +347,7 @@ class PrefixAffinity(_LoadAware):
                 within = [b for b in holders if load[b.instance_id] - low <= self.slack]
                 if within:
                     deepest = max(depth[b.instance_id] for b in within)
-                    chosen = _least([b for b in within if depth[b.instance_id] == deepest], load, self._rng)
+                    chosen = _least([b for b in within if depth[b.instance_id] == deepest], requests_at, self._turns)
                     self.last_reason = "prefix"
                 else:
                     self.last_reason = "prefix-overloaded"  # the starvation guard
@@ -322,7 +356,7 @@ class PrefixAffinity(_LoadAware):
         else:
             self.last_reason = "no-prompt"
         if chosen is None:  # no cache at stake: how full each engine is, nothing more
-            chosen = _least(candidates, requests_at, self._rng)
+            chosen = _least(candidates, requests_at, self._turns)
         if keys:
             self.index.record(keys, chosen.instance_id)
         return self._chosen(now, inflight, chosen)
