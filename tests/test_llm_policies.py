@@ -123,7 +123,7 @@ def test_starvation_guard_leaves_an_overloaded_holder():
 def test_ties_are_taken_in_turn_not_at_random(prompt):
     # Two idle engines, requests that finish before the next comes (open loop, light load):
     # every choice is a tie. At random, runs of them landed on one instance (in the simulator
-    # 4-9% on TTFT p90 against NGINX's least_conn, which takes its equals in turn).
+    # 4-10% on TTFT p90 against NGINX's least_conn, which takes its equals in turn).
     a, b = backend("0", snap()), backend("1", snap())
     for policy in (PrefixAffinity(random.Random(3), clock=lambda: NOW), KvAware(random.Random(3), clock=lambda: NOW)):
         picks = []

@@ -259,7 +259,7 @@ class _Turns:
 
     Ties are common wherever engines are not saturated (both idle, or one request each), and
     taking them at random sent runs of requests to one instance there: in bench/routing_sim.py
-    least-outstanding (random ties) was 4-9% behind NGINX in TTFT p90 on the open-loop cells
+    least-outstanding (random ties) was 4-10% behind NGINX in TTFT p90 on the open-loop cells
     without a shared prefix (s8/room4/unique/r1 159 vs 148 ms, s64/room4/unique/r0 145 vs 132),
     and the default, routing those by requests too, with it."""
 
