@@ -4,6 +4,9 @@
 # split, nginx) at 1, 2, 4, 8 and 12 workers, 32- and 256-event streams, tiny answers, TTFT.
 #
 #   bench/dataplane_device.sh OUTDIR [extra dataplane_bench arguments]
+#   bench/dataplane_device.sh OUTDIR --workers 1,2,4,8,12,16 --source-procs 4
+#       (a 64-core host, nvidia-h200-x4: 8 single-process sources cap NGINX at ~2M events/s
+#       from 4 workers on; 4 processes per source lift that past 6M)
 #
 # Needs, carried from the CPU machine (ignored by git): .carry/dp, made here by
 #   ../shared/tools/relay-kit .carry/dp/relay        (static nginx, wrk, bench/sse_source.c built)
