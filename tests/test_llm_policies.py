@@ -153,6 +153,31 @@ def test_holders_of_the_same_depth_are_told_apart_by_requests_not_kv():
         assert policy.last_reason == "prefix"
 
 
+def test_a_holder_holding_requests_back_for_kv_blocks_is_passed_over_for_an_idle_instance():
+    # s8/room1.5/chat/r0 in the simulator: a conversation's holder has as many long histories
+    # running as its KV cache admits, and the next turn waits there for blocks (TTFT p90 1.48 x
+    # NGINX's) while the other instance has nothing to do. A prefill at once beats a cached
+    # prompt that waits for a running request to finish.
+    blocked = backend("0", snap(active=3, waiting=1))
+    idle = backend("1", snap())
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    policy.index.record(hints(2, "turn 1").prompt_keys, "0")
+    assert policy.choose([blocked, idle], (), {"0": 3}, hints(2, "turn 2")).instance_id == "1"
+    assert policy.last_reason == "prefix-kv-wait"
+
+
+@pytest.mark.parametrize("case", ["other-busy", "holder-admits", "stale"])
+def test_a_holder_keeps_its_prefix_unless_it_waits_for_kv_and_another_stands_idle(case):
+    holder = backend("0", snap(active=3, waiting=0 if case == "holder-admits" else 1,
+                               at=NOW - 5 if case == "stale" else NOW))
+    other = backend("1", snap())
+    inflight = {"0": 3, "1": 1 if case == "other-busy" else 0}
+    policy = PrefixAffinity(random.Random(3), clock=lambda: NOW)
+    policy.index.record(hints(2, "turn 1").prompt_keys, "0")
+    assert policy.choose([holder, other], (), inflight, hints(2, "turn 2")).instance_id == "0"
+    assert policy.last_reason == "prefix"
+
+
 def test_one_hot_prefix_still_uses_every_instance_under_load():
     backends = [backend(str(i)) for i in range(4)]
     policy = PrefixAffinity(random.Random(5), clock=lambda: NOW, slack=2)

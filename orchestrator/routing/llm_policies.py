@@ -46,6 +46,15 @@ against least-outstanding's 368).
 The weighing of a holder against the slack keeps `loads` (with the KV term): by
 requests alone there, the 64-slot tenant cells lost (s64/room1.5/uniform/r1 TTFT p90
 92 -> 156 ms, s64/room4/zipf/r1 126 -> 1551; least-outstanding 88 and 2772).
+A holder whose engine holds requests back for KV blocks (TRT-LLM's `waiting` in its last fresh
+snapshot) is passed over while another instance stands idle (no request in flight, none
+waiting), reason `prefix-kv-wait`: under guaranteed_no_evict the prompt would wait there for a
+running request to finish and free its blocks (hundreds of ms of decode), where the idle one
+prefills it at once. In bench/routing_sim.py's s8/room1.5/chat/r0 (conversations whose
+histories fill an 8-slot engine's cache) that was TTFT p90 426 ms against NGINX's 287; with
+the rule 246 (routing_sim-20261126T*, bench/README.md). It needs an idle instance, not merely a
+less busy one: passing over every waiting holder split the tenants of the loaded tenant cells
+(80 cells: 67 within 3% of the best baseline instead of 69, geo-mean TTFT p90 0.604 -> 0.721).
 Among the holders within the slack the deepest wins, and among equally deep ones the
 fewest `requests`: the cache is equally at stake on each, so the choice is one with no
 cache at stake. By the KV-weighted load there, the 64-slot cells where every instance
@@ -91,7 +100,8 @@ DEFAULT_SLACK = 12.0
 # prefix-affinity's: a holder taken (hit), none or none left (miss), every holder past the slack
 # (spill). Reasons without a prompt at stake (no-prompt, load) are none of them.
 ROUTE_KINDS = {"hit": "hit", "miss": "miss", "spill": "spill",
-               "prefix": "hit", "prefix-miss": "miss", "prefix-evicted": "miss", "prefix-overloaded": "spill"}
+               "prefix": "hit", "prefix-miss": "miss", "prefix-evicted": "miss", "prefix-overloaded": "spill",
+               "prefix-kv-wait": "spill"}
 
 
 @dataclass(frozen=True)
@@ -240,6 +250,25 @@ def requests(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
     return _counted(backends, inflight, now, history)[0]
 
 
+def _waiting_for_kv(b: Backend, now: float) -> int | None:
+    """Requests the instance's engine holds back for KV blocks (TRT-LLM's `waiting`: active, not
+    scheduled) in its last snapshot; None when it has no fresh one."""
+    view = b.engine
+    snap = view.latest if view is not None else None
+    if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
+        return None
+    return snap.waiting
+
+
+def _stands_idle(candidates: Sequence[Backend], requests_at: Mapping[str, float], now: float) -> bool:
+    """Whether a candidate has nothing to do: no request in flight (ours or foreign) and, by a fresh
+    snapshot, none waiting. (`requests_at` holds the candidates only: a busy node answers from
+    one scan of its values.)"""
+    if 0 not in requests_at.values():
+        return False
+    return any(not requests_at[b.instance_id] and _waiting_for_kv(b, now) == 0 for b in candidates)
+
+
 def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "_Turns") -> Backend:
     best: list[Backend] = []
     low = math.inf
@@ -345,12 +374,16 @@ class PrefixAffinity(_LoadAware):
             if holders:
                 low = min(load.values())
                 within = [b for b in holders if load[b.instance_id] - low <= self.slack]
+                spill = "prefix-overloaded"  # the starvation guard
+                if within and _stands_idle(candidates, requests_at, now):
+                    within = [b for b in within if not _waiting_for_kv(b, now)]
+                    spill = "prefix-kv-wait"
                 if within:
                     deepest = max(depth[b.instance_id] for b in within)
                     chosen = _least([b for b in within if depth[b.instance_id] == deepest], requests_at, self._turns)
                     self.last_reason = "prefix"
                 else:
-                    self.last_reason = "prefix-overloaded"  # the starvation guard
+                    self.last_reason = spill
             else:
                 self.last_reason = "prefix-evicted" if gone else "prefix-miss"
         else:
