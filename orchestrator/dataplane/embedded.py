@@ -334,7 +334,7 @@ class EmbeddedProxy:
             return _error(404, "not found")
         if request.method != "GET":
             return _error(405, "method not allowed", headers={"Allow": "GET"})
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+        return web.Response(body=await self.metrics.render_off_loop(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     # --- public listener ------------------------------------------------------------
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
