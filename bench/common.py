@@ -212,6 +212,15 @@ def write_result(name: str, data: dict[str, Any], plot: Callable[[dict[str, Any]
     return path
 
 
+def write_result_md(name: str, data: dict[str, Any], plot: Callable[[dict[str, Any], Any], Any] | None,
+                    results: Path | None, note: str, report: str) -> Path:
+    """`write_result`, and beside it <stem>.md: a title, `note` and the table `report`."""
+    path = write_result(name, data, plot, results=results)
+    path.with_suffix(".md").write_text(f"# {name} ({path.stem})\n\n{note}\n\n{report}\n")
+    print("wrote", path)
+    return path
+
+
 # --- pictures (matplotlib: the `bench` extra) ----------------------------------------------
 def write_plot(json_path: Path, data: dict[str, Any], draw: Callable[[dict[str, Any], Any], Any]) -> Path | None:
     """Draw `data` with `draw(data, pyplot) -> figure` into a PNG next to its JSON.

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the result here instead of bench/results")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from bench.common import machine, table, write_result
+    from bench.common import machine, table, write_result_md
 
     rows = []
     for policy in a.policies.split(","):
@@ -211,12 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.baseline_tree is not None:
         baseline = subprocess.run(["git", "-C", str(a.baseline_tree), "rev-parse", "--short", "HEAD"],
                                   capture_output=True, text=True).stdout.strip() or str(a.baseline_tree)
-    path = write_result("decision_cost", {"bench": "decision_cost", "rows": rows, "baseline": baseline,
-                                          "worker_rows": WORKER_ROWS, "rounds": ROUNDS, "decisions": DECISIONS,
-                                          "machine": machine()}, plot, results=a.out)
-    path.with_suffix(".md").write_text(f"# decision_cost ({path.stem})\n\nbaseline: {baseline or 'none'}; "
-                                       f"us = median of {ROUNDS} x {DECISIONS} Balancer.pick\n\n{report}\n")
-    print("wrote", path)
+    write_result_md("decision_cost", {"bench": "decision_cost", "rows": rows, "baseline": baseline,
+                                      "worker_rows": WORKER_ROWS, "rounds": ROUNDS, "decisions": DECISIONS,
+                                      "machine": machine()}, plot, a.out,
+                    f"baseline: {baseline or 'none'}; us = median of {ROUNDS} x {DECISIONS} Balancer.pick", report)
     return 0
 
 

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the result here instead of bench/results")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from bench.common import machine, table, write_result
+    from bench.common import machine, table, write_result_md
     rows = [one_count(int(w), a.scrapes) for w in a.workers.split(",")]
     flat = [{"workers": r["workers"], "files": r["files"], "render_ms": r["on-loop"]["render_ms_p50"],
              "on_loop_stall_p50": r["on-loop"]["stall_ms_p50"], "on_loop_stall_max": r["on-loop"]["stall_ms_max"],
@@ -170,11 +170,9 @@ def main(argv: list[str] | None = None) -> int:
              "quiet_stall_max": r["quiet"]["stall_ms_max"]} for r in rows]
     report = table(flat, list(flat[0]))
     print(report)
-    path = write_result("scrape_stall", {"bench": "scrape_stall", "rows": rows, "scrapes": a.scrapes,
-                                         "tick_s": TICK_S, "machine": machine()}, plot, results=a.out)
-    path.with_suffix(".md").write_text(f"# scrape_stall ({path.stem})\n\nms; {a.scrapes} scrapes each way, "
-                                       f"alternating; event loop {rows[0]['event_loop']}\n\n{report}\n")
-    print("wrote", path)
+    write_result_md("scrape_stall", {"bench": "scrape_stall", "rows": rows, "scrapes": a.scrapes, "tick_s": TICK_S,
+                                     "machine": machine()}, plot, a.out,
+                    f"ms; {a.scrapes} scrapes each way, alternating; event loop {rows[0]['event_loop']}", report)
     return 0
 
 
