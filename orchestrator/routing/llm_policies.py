@@ -52,9 +52,11 @@ waiting), reason `prefix-kv-wait`: under guaranteed_no_evict the prompt would wa
 running request to finish and free its blocks (hundreds of ms of decode), where the idle one
 prefills it at once. In bench/routing_sim.py's s8/room1.5/chat/r0 (conversations whose
 histories fill an 8-slot engine's cache) that was TTFT p90 426 ms against NGINX's 287; with
-the rule 246 (routing_sim-20261126T072349Z, bench/README.md). It needs an idle instance, not merely a
-less busy one: passing over every waiting holder split the tenants of the loaded tenant cells
-(80 cells: 67 within 3% of the best baseline instead of 69, geo-mean TTFT p90 0.604 -> 0.721).
+the rule 246 (routing_sim-20261126T072349Z, bench/README.md; on the GPU twin that cell was
+already 0.77 x the best without it, and the rule fired 0-2 times a cell). It needs an idle
+instance, not merely a less busy one: passing over every waiting holder split the tenants of
+the loaded tenant cells (80 cells: 67 within 3% of the best baseline instead of 69, geo-mean
+TTFT p90 0.604 -> 0.721).
 Among the holders within the slack the deepest wins, and among equally deep ones the
 fewest `requests`: the cache is equally at stake on each, so the choice is one with no
 cache at stake. By the KV-weighted load there, the 64-slot cells where every instance
