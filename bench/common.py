@@ -10,6 +10,7 @@ taken inside one run, in interleaved rounds, reported as medians.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime as _dt
 import json
@@ -214,7 +215,8 @@ def write_result(name: str, data: dict[str, Any], plot: Callable[[dict[str, Any]
 
 def write_result_md(name: str, data: dict[str, Any], plot: Callable[[dict[str, Any], Any], Any] | None,
                     results: Path | None, note: str, report: str) -> Path:
-    """`write_result`, and beside it <stem>.md: a title, `note` and the table `report`."""
+    """`report` printed; `write_result`, and beside it <stem>.md: a title, `note` and `report`."""
+    print(report)
     path = write_result(name, data, plot, results=results)
     path.with_suffix(".md").write_text(f"# {name} ({path.stem})\n\n{note}\n\n{report}\n")
     print("wrote", path)
@@ -240,6 +242,24 @@ def write_plot(json_path: Path, data: dict[str, Any], draw: Callable[[dict[str, 
     fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return png
+
+
+def finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> Any:
+    """One chart's labels, grid, legend and layout: the figure, for write_plot."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring as help, and --out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="write the result here instead of bench/results")
+    return ap
 
 
 def bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], *, ylabel: str,

@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["policy", "prompts", "rate", "instances", "keys", "us"] + (["before_us"] if a.baseline_tree else []) + \
         ["hints_us", "reason"]
     report = table(rows, cols)
-    print(report)
     if a.no_write:
+        print(report)
         return 0
     baseline = None
     if a.baseline_tree is not None:

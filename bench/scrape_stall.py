@@ -21,7 +21,6 @@ bench/results/scrape_stall-<stamp>.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.common import bench_parser, finish  # noqa: E402
 # The loop turns as fast as it can (a saturated worker's does: every turn has callbacks), and
 # a stall is the longest gap between two turns. (A 0.5 ms sleep is no tick on uvloop: libuv's
 # timers count whole milliseconds.)
@@ -145,20 +146,13 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
         ax.plot(xs, [r[way]["stall_ms_p50"] for r in rows], marker="o", color=color, label=f"{way}: stall p50")
         ax.plot(xs, [r[way]["stall_ms_max"] for r in rows], marker="x", ls=":", color=color, label=f"{way}: stall max")
     ax.plot(xs, [r["on-loop"]["render_ms_p50"] for r in rows], ls="--", color="k", lw=0.8, label="render p50 (on-loop)")
-    ax.set_xlabel("data-plane workers' files merged")
-    ax.set_ylabel("ms")
-    ax.set_title("the loop's longest stall during a /metrics scrape", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return finish(fig, ax, "data-plane workers' files merged", "ms", "the loop's longest stall during a /metrics scrape")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--workers", default="1,4,8")
     ap.add_argument("--scrapes", type=int, default=20)
-    ap.add_argument("--out", type=Path, help="write the result here instead of bench/results")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from bench.common import machine, table, write_result_md
@@ -168,11 +162,9 @@ def main(argv: list[str] | None = None) -> int:
              "off_loop_render_ms": r["off-loop"]["render_ms_p50"],
              "off_loop_stall_p50": r["off-loop"]["stall_ms_p50"], "off_loop_stall_max": r["off-loop"]["stall_ms_max"],
              "quiet_stall_max": r["quiet"]["stall_ms_max"]} for r in rows]
-    report = table(flat, list(flat[0]))
-    print(report)
+    note = f"ms; {a.scrapes} scrapes each way, alternating; event loop {rows[0]['event_loop']}"
     write_result_md("scrape_stall", {"bench": "scrape_stall", "rows": rows, "scrapes": a.scrapes, "tick_s": TICK_S,
-                                     "machine": machine()}, plot, a.out,
-                    f"ms; {a.scrapes} scrapes each way, alternating; event loop {rows[0]['event_loop']}", report)
+                                     "machine": machine()}, plot, a.out, note, table(flat, list(flat[0])))
     return 0
 
 
