@@ -143,6 +143,8 @@ class InflightHistory:
     def __init__(self, keep_s: float = 2.0) -> None:
         self.keep_s = keep_s
         self._series: dict[str, _Series] = {}
+        # instance_id -> (snapshot, our count at its time, its active + pending, its KV term): `_counted`'s
+        self._terms: dict[str, tuple[EngineSnapshot, int | None, int, float]] = {}
 
     def note_choice(self, now: float, chosen: str, count: int) -> None:
         """The chosen instance's count with its new request; the candidates' counts as read were
@@ -208,6 +210,7 @@ def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
     requests: dict[str, float] = {}
     weighted: dict[str, float] = {}
     series = history._series if history is not None else {}
+    terms = history._terms if history is not None else {}
     horizon = now - history.keep_s if history is not None else now
     stale = False
     for b in backends:
@@ -220,14 +223,22 @@ def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
             if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
                 stale = True
             else:
-                at = snap.at
-                # _Series.at and EngineSnapshot.kv_fraction, inline: 16 candidates a choice
-                then = None if s is None else s.answer if s.asked == at else s.at(at)
-                foreign = snap.active + snap.pending - (ours if then is None else then)
+                # What depends on the snapshot alone, worked out once per snapshot (16 candidates
+                # a choice, a snapshot per 100 ms): our count when it was taken, its requests, its
+                # KV term. Kept only once the clock is past its time: notes are made at `now`, so
+                # none can join those at or before it after that.
+                t = terms.get(iid)
+                if t is None or t[0] is not snap:
+                    kv_max = snap.kv_max
+                    t = (snap, None if s is None else s.at(snap.at), snap.active + snap.pending,
+                         KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
+                    if snap.at < now:
+                        terms[iid] = t
+                then = t[1]
+                foreign = t[2] - (ours if then is None else then)
                 n = float(ours + foreign if foreign > 0 else ours)
                 requests[iid] = n
-                kv_max = snap.kv_max
-                weighted[iid] = n + KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else n
+                weighted[iid] = n + t[3]
         if note:
             if s is None:
                 s = series[iid] = _Series()
