@@ -266,11 +266,8 @@ def requests(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
 def _waiting_for_kv(b: Backend, now: float) -> int | None:
     """Requests the instance's engine holds back for KV blocks (TRT-LLM's `waiting`: active, not
     scheduled) in its last snapshot; None when it has no fresh one."""
-    view = b.engine
-    snap = view.latest if view is not None else None
-    if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
-        return None
-    return snap.waiting
+    snap = b.engine.fresh(now) if b.engine is not None else None
+    return snap.waiting if snap is not None else None
 
 
 def _stands_idle(candidates: Sequence[Backend], requests_at: Mapping[str, float], now: float) -> bool:
