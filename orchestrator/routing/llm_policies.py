@@ -165,20 +165,15 @@ class InflightHistory:
 class _Series:
     """One instance's notes, oldest first; `start` skips those no longer kept (deleted in bulk)."""
 
-    __slots__ = ("times", "counts", "start", "last", "asked", "answer")
+    __slots__ = ("times", "counts", "start", "last")
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.counts: list[int] = []
         self.start = 0
         self.last: int | None = None
-        # The last `at` asked and its answer: every choice asks at its snapshot's time, which
-        # changes once per scrape.
-        self.asked: float | None = None
-        self.answer: int | None = None
 
     def add(self, now: float, n: int, horizon: float) -> None:
-        self.asked = None
         times = self.times
         times.append(now)
         self.counts.append(n)
@@ -193,12 +188,9 @@ class _Series:
                 self.start = 0
 
     def at(self, when: float) -> int | None:
-        if when == self.asked:
-            return self.answer
+        # asked once per snapshot and instance (`_counted` keeps the answer with the snapshot's terms)
         i = bisect_right(self.times, when, self.start) - 1
-        self.asked = when
-        self.answer = answer = self.counts[i] if i >= self.start else None
-        return answer
+        return self.counts[i] if i >= self.start else None
 
 
 def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
