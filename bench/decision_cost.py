@@ -23,7 +23,6 @@ Output: a table, bench/results/decision_cost-<stamp>.{json,md,png} (`--out DIR`:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -178,17 +177,18 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sys.path.insert(0, str(REPO))
+    # here, not at the top: run_in hands this file to an older tree, whose bench.common may lack these
+    from bench.common import bench_parser, machine, table, write_result_md
+
+    ap = bench_parser(__doc__)
     ap.add_argument("--instances", default="2,4,8,16")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("--rates", default=",".join(RATES))
     ap.add_argument("--baseline-tree", type=Path, help="a checkout of an earlier commit, measured alike")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--out", type=Path, help="write the result here instead of bench/results")
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from bench.common import machine, table, write_result_md
 
     rows = []
     for policy in a.policies.split(","):
