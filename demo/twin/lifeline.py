@@ -2,27 +2,67 @@
 
 TensorRT-LLM's engine runs inside tritonserver, so a SIGKILLed rank takes its
 engine with it at once, and mpirun, seeing the rank gone, ends the job. The
-twin's engine runs in a Python-backend stub instead. Triton's stub notices a dead
-server only on its next 300 ms health poll and then runs its destructors before
-exiting; in about 1 run of 30 we saw a worker rank's stub stay alive after that
-(blocked in a futex), holding the rank's output pipe, so mpirun waited for it
-and the job never ended. So each engine stub watches its server itself and
-leaves with os._exit, running nothing, within one poll of the server's death.
+twin's engine runs in a Python-backend stub instead, and a stub that outlives its
+server holds the rank's output pipe, so mpirun waits for it and the job never ends.
+
+Triton's stub notices a dead server only on its next 300 ms health poll, and then
+runs its destructors under the GIL. A watcher thread inside the stub needs the GIL
+too. Both hang when another stub thread is blocked in a pb_utils call to the dead
+server: a worker rank's metric `set` is a round trip over shared memory, and it
+waits on a futex forever while it holds the GIL. With a watcher thread, about 1 kill -9
+in 8 of a worker rank's server, right after a SIGSTOP/SIGCONT, left the job alive
+for more than 60 s.
+
+So the watch runs in a process of its own. It is a child forked at initialize,
+before CUDA is touched. It closes every descriptor it inherited, so it holds no
+pipe, socket or shared-memory file. Then it waits on pidfds of the server and the
+stub. When the server ends first, it SIGKILLs the stub. When the stub ends, it leaves.
+It keeps the rank's environment, so whatever finds a group's processes by
+their tag finds it too.
 """
 import os
+import select
+import signal
 import threading
-import time
-
-POLL_S = 0.05
 
 
-def exit_with_server(poll_s=POLL_S):
-    """Start a daemon thread that ends this process once its parent (the server) is gone."""
-    server = os.getppid()
-
-    def watch():
-        while os.getppid() == server:
-            time.sleep(poll_s)
+def exit_with_server():
+    """Fork the watcher of this stub's server (its parent); the stub reaps it when it leaves."""
+    stub = os.getpid()
+    try:
+        server_fd = os.pidfd_open(os.getppid())
+    except ProcessLookupError:      # the server is already gone: so are we
         os._exit(1)
+    stub_fd = os.pidfd_open(stub)
+    watcher = os.fork()
+    if watcher == 0:
+        _watch(server_fd, stub_fd, stub)
+    os.close(server_fd)
+    os.close(stub_fd)
+    # waitpid blocks without the GIL; the thread ends when the watcher does.
+    threading.Thread(target=os.waitpid, args=(watcher, 0), name="twin-lifeline", daemon=True).start()
 
-    threading.Thread(target=watch, name="twin-lifeline", daemon=True).start()
+
+def _watch(server_fd, stub_fd, stub):
+    """The watcher process: never returns."""
+    try:
+        _drop_inherited(keep=(server_fd, stub_fd))
+        ready, _, _ = select.select([server_fd, stub_fd], [], [])
+        if stub_fd not in ready:
+            os.kill(stub, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def _drop_inherited(keep):
+    """Point stdio at /dev/null and close every other descriptor but `keep`."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:         # the listing's own descriptor, already closed
+                pass
