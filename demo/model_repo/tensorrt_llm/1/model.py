@@ -167,19 +167,15 @@ class TritonPythonModel:
             self.peers.wait()
 
     def _loop_failed(self, exc):
-        # A lost peer rank: TRT-LLM would MPI_Abort and Open MPI would end the job.
-        # Fail what is in flight (UNAVAILABLE: a balancer retries elsewhere), then take
-        # this rank's server down so mpirun ends the whole group.
+        # A lost peer rank. TRT-LLM's ranks talk through MPI, whose errors are fatal: the
+        # leader aborts and Open MPI ends the job, and what is in flight gets no answer, only
+        # its connection dropped (a balancer retries it elsewhere). So the twin answers
+        # nothing either and takes its server down at once; its lifeline takes this stub.
+        # (It used to answer UNAVAILABLE first. Through the ensemble that is a 400, which a
+        # balancer cannot tell from a client's error while the instance is still in rotation.
+        # Since the lifeline kills a dead rank's stub within a millisecond, that error beat the
+        # daemon's exit watcher to the proxy in 1 run of the CPU acceptance check.)
         _log(f"engine iteration failed: {exc!r}; aborting the group")
-        with self.lock:
-            items = list(self.inflight.values())
-            self.inflight.clear()
-        for pending, _row, _seq in items:
-            try:
-                pending.sender.send(_error(f"tensorrt_llm: peer rank lost: {exc}", pb_utils.TritonError.UNAVAILABLE),
-                                    flags=FINAL)
-            except Exception:
-                pass
         os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(60)
 
