@@ -108,6 +108,12 @@ def test_a_ready_sets_counts_are_read_together(tmp_path):
     assert view.of(()) == {}
     beyond = (Backend("300", "127.0.0.1", 1, 2, 3), *backends(2))  # no column in the table: 0, as get()
     assert view.of(beyond) == {"300": 0, "0": 0, "1": 2} and view.get("300") == 0
+    gaps = (*backends(5)[3:0:-2], backends(1)[0])  # out of order, a column skipped
+    assert [b.instance_id for b in gaps] == ["3", "1", "0"] and view.of(gaps) == {"3": 1, "1": 2, "0": 0}
+    one = SharedTable.create(tmp_path / "one")
+    one.use_rows(1)  # one worker's row: read as it is
+    WorkerCounts(one, 0).acquire("2")
+    assert GlobalInflight(one).of(ready) == {"1": 0, "2": 1, "3": 0, "4": 0}
 
 
 # --- the prefix index ----------------------------------------------------------------------

@@ -51,8 +51,9 @@ _TIMES = struct.Struct(f"={HOLDERS}d{HOLDERS}i")
 _EMPTY_KEY = bytes(KEY_BYTES)
 _TIME = struct.Struct("=d")
 _ID = struct.Struct("=i")
+_HOLDER_IDS = struct.Struct(f"={HOLDERS}i")
+_START = struct.Struct("<Q")  # a key's first 8 bytes: where its probe starts
 _IDS_OFF = KEY_BYTES + 8 * HOLDERS
-_IDS = slice(1 + HOLDERS, 1 + 2 * HOLDERS)  # a slot tuple's holder ids
 # record(): a key this worker wrote for the same instance this recently is not written again,
 # and how many such writes it remembers (then it forgets them all and writes again).
 REWRITE_S = 0.02
@@ -175,7 +176,8 @@ class SharedPrefixIndex:
         void = self._forgotten[idx]  # a write before the instance's restart is none
         mm = self._mm
         mask = self._mask
-        unpack = _SLOT.unpack_from
+        start_of = _START.unpack_from
+        ids_of = _HOLDER_IDS.unpack_from
         for key in keys:
             mine = written.get(key)
             if mine is not None and mine[0] == idx and mine[1] > since and mine[1] > void:
@@ -184,11 +186,12 @@ class SharedPrefixIndex:
             if len(key) != KEY_BYTES or key == _EMPTY_KEY:
                 key = _key16(key)
             # The common case inline (64 keys of a long prompt): the key in its first slot,
-            # the instance among its holders: one time to write.
-            off = _SLOTS_OFF + (int.from_bytes(key[:8], "little") & mask) * SLOT_SIZE
-            slot = unpack(mm, off)
-            if slot[0] == key and ident in slot[_IDS]:
-                _TIME.pack_into(mm, off + KEY_BYTES + 8 * slot[_IDS].index(ident), now)
+            # the instance among its holders: one time to write (the holder ids and the key
+            # read, not the whole slot).
+            off = _SLOTS_OFF + (start_of(key)[0] & mask) * SLOT_SIZE
+            ids = ids_of(mm, off + _IDS_OFF)
+            if ident in ids and mm[off:off + KEY_BYTES] == key:
+                _TIME.pack_into(mm, off + KEY_BYTES + 8 * ids.index(ident), now)
             else:
                 self._record_one(key, idx, now)
 
@@ -210,7 +213,7 @@ class SharedPrefixIndex:
             key = _key16(key)
         mm = self._mm
         mask = self._mask
-        start = int.from_bytes(key[:8], "little")
+        start = _START.unpack_from(key)[0]
         for probe in range(PROBE):
             slot = _SLOT.unpack_from(mm, _SLOTS_OFF + ((start + probe) & mask) * SLOT_SIZE)
             stored = slot[0]
@@ -233,7 +236,7 @@ class SharedPrefixIndex:
 
     def _record_one(self, key: bytes, idx: int, now: float) -> None:
         mm = self._mm
-        start = int.from_bytes(key[:8], "little")
+        start = _START.unpack_from(key)[0]
         victim, victim_age = -1, None
         for probe in range(PROBE):
             off = _SLOTS_OFF + ((start + probe) & self._mask) * SLOT_SIZE

@@ -131,13 +131,15 @@ class SharedTable:
 
     def inflight_span(self, first: int, end: int) -> list[int]:
         """`inflight` of instances first..end-1 at once: a row slice per worker in use, not a
-        column per instance (16 instances, 4 workers: 2 us instead of 7)."""
+        column per instance, summed column by column in C (16 instances, 4 workers: 2.6 us;
+        7 a column at a time)."""
         i32 = self._i32
         width = end - first
         start = (_INFLIGHT_OFF >> 2) + first
         stop = start + (i32[_ROWS_CELL] or MAX_WORKERS) * MAX_INSTANCES
-        rows = [i32[r:r + width].tolist() for r in range(start, stop, MAX_INSTANCES)]
-        return [sum(column) for column in zip(*rows)] if len(rows) > 1 else rows[0]
+        if stop - start == MAX_INSTANCES:
+            return i32[start:start + width].tolist()
+        return list(map(sum, zip(*[i32[r:r + width] for r in range(start, stop, MAX_INSTANCES)])))
 
     def worker_inflight(self, worker: int) -> int:
         start = self._cell(worker, 0)
@@ -217,7 +219,7 @@ class GlobalInflight(Mapping[str, int]):
         self._table = table
         self.ids = ids
         self._columns_of: Sequence[Any] | None = None  # the ready set `of` last read, and its columns
-        self._columns: tuple[int, int, list[tuple[str, int]], list[str]] = (0, 0, [], [])
+        self._columns: tuple[int, int, list[Any], list[str], bool] = (0, 0, [], [], False)
 
     def __getitem__(self, instance_id: str) -> int:
         return self._table.inflight(instance_index(instance_id))
@@ -241,10 +243,15 @@ class GlobalInflight(Mapping[str, int]):
                 except (ValueError, TableError):
                     beyond.append(b.instance_id)
             first = min(index.values(), default=0)
-            self._columns = (first, max(index.values(), default=-1) + 1,
-                             [(iid, i - first) for iid, i in index.items()], beyond)
+            end = max(index.values(), default=-1) + 1
+            # The usual ready set is instances first..end-1 in order: its counts are the span as read.
+            in_order = not beyond and list(index.values()) == list(range(first, end))
+            self._columns = (first, end, list(index) if in_order else [(iid, i - first) for iid, i in index.items()],
+                             beyond, in_order)
             self._columns_of = backends
-        first, end, columns, beyond = self._columns
+        first, end, columns, beyond, in_order = self._columns
+        if in_order:
+            return dict(zip(columns, self._table.inflight_span(first, end)))
         out = dict.fromkeys(beyond, 0)
         if end > first:
             counts = self._table.inflight_span(first, end)
