@@ -60,10 +60,11 @@ class KvWrites:
     """One instance's engine at each scrape: (time, prompt blocks, output blocks, reused blocks,
     requests finished), the counts cumulative."""
 
-    __slots__ = ("_samples", "free", "running", "hit")
+    __slots__ = ("_samples", "_times", "free", "running", "hit")
 
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float, float, int, int]] = deque()
+        self._times: deque[float] = deque()  # each sample's time, for `gone`'s bisection without a key function
         self.free = 0  # free blocks (plain and cached) at the last scrape
         self.running = 0  # requests the engine runs at once
         self.hit = 0.0  # the kept window's prompt blocks taken from the cache, as a fraction
@@ -76,11 +77,15 @@ class KvWrites:
         tpb = snap.tokens_per_block
         if not tpb:
             return
+        times = self._times
         if samples and (snap.finished < samples[-1][4] or snap.kv_reused < samples[-1][3]):
             samples.clear()  # the engine restarted: its counters began again
+            times.clear()
         samples.append((snap.at, snap.input_tokens / tpb, snap.output_tokens / tpb, snap.kv_reused, snap.finished))
-        while len(samples) > 2 and samples[1][0] < snap.at - KEEP_S:
+        times.append(snap.at)
+        while len(samples) > 2 and times[1] < snap.at - KEEP_S:
             samples.popleft()
+            times.popleft()
         self.free = snap.kv_free
         # Requests waiting for KV blocks: the batch is what the cache lets run, not the slots.
         self.running = snap.scheduled if snap.waiting > 0 and snap.scheduled > 0 else snap.max_active
@@ -94,7 +99,7 @@ class KvWrites:
         # From the first scrape after it: what finished between the routing and that scrape is
         # not counted (the verdict errs towards "still there"). Routed before the oldest kept
         # scrape: what was computed since the oldest, a lower bound.
-        i = bisect_right(samples, routed_at, key=lambda sample: sample[0])
+        i = bisect_right(self._times, routed_at)
         if i >= len(samples):
             return False  # nothing scraped since
         since, last = samples[i], samples[-1]
