@@ -24,6 +24,7 @@ import os
 import select
 import signal
 import threading
+import warnings
 
 
 def exit_with_server():
@@ -34,7 +35,12 @@ def exit_with_server():
     except ProcessLookupError:      # the server is already gone: so are we
         os._exit(1)
     stub_fd = os.pidfd_open(stub)
-    watcher = os.fork()
+    # Python 3.12 warns that forking a process with threads may deadlock the child (on a lock
+    # another thread held). The child only closes descriptors, waits and kills: no lock of
+    # the stub's threads is taken there, and the GIL and malloc are reset by fork itself.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        watcher = os.fork()
     if watcher == 0:
         _watch(server_fd, stub_fd, stub)
     os.close(server_fd)
