@@ -1,7 +1,6 @@
 """The twin's engine stub leaves with its server even while a stub thread holds the
 GIL in a call that never returns (a pb_utils round trip to a dead server does)."""
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -9,6 +8,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.test_e2e_faults import alive
 
 pytestmark = pytest.mark.process
 
@@ -35,48 +36,41 @@ time.sleep(120)
 """
 
 
-def _gone(pid: int, within_s: float) -> bool:
+def _ends(p: psutil.Process, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
+    while alive(p) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return False
+    return not alive(p)
 
 
 def test_a_stub_that_holds_the_gil_dies_with_its_server_and_leaves_no_watcher():
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-    stub = watchers = None
+    started: list[psutil.Process] = []
     try:
-        stub = int(server.stdout.readline())
-        watchers = psutil.Process(stub).children()
+        stub = psutil.Process(int(server.stdout.readline()))
+        watchers = stub.children()
+        started += [stub, *watchers]
         assert len(watchers) == 1, watchers        # the lifeline runs in a process of its own
         held = [os.readlink(f"/proc/{watchers[0].pid}/fd/{fd}") for fd in os.listdir(f"/proc/{watchers[0].pid}/fd")]
         assert not [h for h in held if h.startswith(("pipe:", "socket:"))], held   # not the rank's output pipe
         server.kill()
         server.wait(10)
-        assert _gone(stub, 5.0), "the stub outlived its server"
-        assert _gone(watchers[0].pid, 5.0), "the watcher outlived the stub"
+        assert _ends(stub, 5.0), "the stub outlived its server"
+        assert _ends(watchers[0], 5.0), "the watcher outlived the stub"
     finally:
         server.kill()
-        for pid in [stub] + [w.pid for w in watchers or []]:
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for p in started:
+            if alive(p):
+                p.kill()
 
 
 def test_the_watcher_leaves_when_its_stub_ends_first():
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     try:
-        stub = int(server.stdout.readline())
-        watcher = psutil.Process(stub).children()[0]
-        os.kill(stub, signal.SIGKILL)
-        assert _gone(watcher.pid, 5.0), "the watcher outlived its stub"
+        stub = psutil.Process(int(server.stdout.readline()))
+        watcher = stub.children()[0]
+        stub.kill()
+        assert _ends(watcher, 5.0), "the watcher outlived its stub"
         assert server.poll() is None               # and the server was left alone
     finally:
         server.kill()
