@@ -31,11 +31,10 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.common import bench_parser, finish  # noqa: E402
+from bench.common import bench_parser, finish, machine, table, write_result_md  # noqa: E402
 
 
 def pieces() -> dict[str, Callable[[], Any]]:
-    sys.path.insert(0, str(REPO))
     from bench.dataplane_bench import BODY
     from orchestrator.routing.prompt import prompt_of_json
     return {"sum": lambda: sum(range(200)), "json": lambda: json.loads(BODY),
@@ -92,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     gaps_ms = [float(g) for g in a.gaps_ms.split(",")]
     rows = measure([g / 1000 for g in gaps_ms], a.repeats)
-    sys.path.insert(0, str(REPO))
-    from bench.common import machine, table, write_result_md
     write_result_md("cold_path", {"bench": "cold_path", "gaps_ms": gaps_ms, "repeats": a.repeats, "rows": rows,
                                   "machine": machine()}, plot, a.out,
                     f"us, median of {a.repeats}; Python {sys.version.split()[0]}", table(rows, list(rows[0])))

@@ -35,7 +35,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.common import bench_parser, finish  # noqa: E402
+from bench.common import bench_parser, finish, machine, table, use_uvloop, write_result_md  # noqa: E402
 # The loop turns as fast as it can (a saturated worker's does: every turn has callbacks), and
 # a stall is the longest gap between two turns. (A 0.5 ms sleep is no tick on uvloop: libuv's
 # timers count whole milliseconds.)
@@ -61,8 +61,6 @@ for i in range(8):
 
 def measure(scrapes: int) -> dict[str, Any]:
     """In this process (PROMETHEUS_MULTIPROC_DIR already set and filled)."""
-    sys.path.insert(0, str(REPO))
-    from bench.common import use_uvloop
     from orchestrator.dataplane.metrics import ProxyMetrics
     metrics = ProxyMetrics()
     body = metrics.render()  # imports and first-use costs out of the timed scrapes
@@ -78,7 +76,6 @@ def _r(x: float) -> float:
 
 
 def _run(metrics: Any, scrapes: int) -> dict[str, Any]:
-    from bench.common import use_uvloop
     if use_uvloop():
         import uvloop
         uvloop.install()
@@ -154,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="1,4,8")
     ap.add_argument("--scrapes", type=int, default=20)
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from bench.common import machine, table, write_result_md
     rows = [one_count(int(w), a.scrapes) for w in a.workers.split(",")]
     flat = [{"workers": r["workers"], "files": r["files"], "render_ms": r["on-loop"]["render_ms_p50"],
              "on_loop_stall_p50": r["on-loop"]["stall_ms_p50"], "on_loop_stall_max": r["on-loop"]["stall_ms_max"],
