@@ -420,7 +420,9 @@ def merge(paths: list[str], out_dir: Path | None) -> int:
         result[key] = [x for part in parts for x in part[key]]
     for key in ("cell_params", "summary", "segments"):
         result[key] = {k: v for part in parts for k, v in part[key].items()}
-    result["goals"] = [g for part in parts for g in part["goals"]]
+    result["goals"] = rc.verdicts([{"cell": c, "target": t, **s} for c, block in result["summary"].items()
+                                   for t, s in block.items()])  # judged again: a part may judge another policy
+    result["goals_policy"] = rc.default_policy()
     result["wall_s"] = max(part["wall_s"] for part in parts)
     result["merged_from"] = [Path(p).name for p in paths]
     for name in result["cells"]:
@@ -493,8 +495,10 @@ def main() -> int:
         print(table(rows, COLS))
     result["goals"] = rc.verdicts([{"cell": c, "target": t, **s} for c, block in summary.items()
                                    for t, s in block.items()])
+    result["goals_policy"] = rc.default_policy()
     if result["goals"]:
-        print("\ncost-model against the best of least-outstanding and nginx, and against nginx:")
+        print(f"\n{rc.default_policy()} (the default) against the best of least-outstanding and nginx, "
+              "and against nginx:")
         print(table(result["goals"], ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx",
                                       "tok_s_vs_nginx", "no_worse"]))
     result["wall_s"] = round(time.time() - t_start, 1)

@@ -5,7 +5,7 @@
         [--workloads uniform,zipf,chat,unique,mixed] [--loads r0,r1,r2,closed]
         [--targets cost-model,prefix-affinity,least-outstanding,round-robin,nginx] [--jobs 2]
         [--seeds 1,2] [--index shared|local] [--jitter 0.3]
-        [--reuse EARLIER.json [--rerun cost-model]] [--out FILE.json]
+        [--reuse EARLIER.json [--rerun cost-model]] [--out DIR]
 
 Two `demo/twin/engine.py` engines (the code the twin's tritonserver runs: in-flight batching,
 paged KV cache with prefix reuse and LRU eviction, guaranteed_no_evict admission, per-token
@@ -25,7 +25,7 @@ from noisy spans), network and Triton's own queues, NGINX's per-worker counts. b
 a subset of the same cells on the real twin to check the simulator against it.
 
 Output: a table per cell and bench/results/routing_sim-<stamp>.{json,png} (`--no-write` to skip,
-`--out` for the JSON elsewhere; `python -m bench.plot` draws its PNG). Progress on stderr, one
+`--out DIR` to write them there, as every benchmark's `--out`). Progress on stderr, one
 line per cell and target. `--reuse` takes an earlier run's rows for the targets not in
 `--rerun` (a change to the cost model leaves the baselines as they were).
 """
@@ -391,7 +391,7 @@ def main() -> int:
     ap.add_argument("--reuse", help="an earlier run's JSON: its rows for the targets not in --rerun are taken "
                     "as they are (same --seconds and --seeds)")
     ap.add_argument("--rerun", default="cost-model", help="with --reuse: the targets simulated again")
-    ap.add_argument("--out", help="write the JSON here instead of bench/results/routing_sim-<stamp>.json")
+    ap.add_argument("--out", type=Path, help="write the result (JSON, PNG) into this directory instead of bench/results")
     a = ap.parse_args()
     cs = rc.cells(tuple(int(x) for x in a.shapes.split(",")), tuple(float(x) for x in a.rooms.split(",")),
                   tuple(a.workloads.split(",")), tuple(a.loads.split(",")))
@@ -434,11 +434,13 @@ def main() -> int:
                       f"cached/reused {r.get('cached_est_over_reused')}  ratio {r.get('tokens_per_char')}  "
                       f"rates {r.get('rates')}")
     v = rc.verdicts(rows)
-    if v:
-        print("\nverdicts (cost-model vs best of least-outstanding/nginx; vs nginx):")
-        print(table(v, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
-                        "no_worse"]))
-        print(f"no worse in {sum(r['no_worse'] for r in v)}/{len(v)} cells")
+    for policy in dict.fromkeys((rc.default_policy(), "cost-model")):
+        pv = v if policy == rc.default_policy() else rc.verdicts(rows, policy)
+        if pv:
+            print(f"\nverdicts ({policy} vs best of least-outstanding/nginx; vs nginx):")
+            print(table(pv, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
+                             "no_worse"]))
+            print(f"{policy}: no worse in {sum(r['no_worse'] for r in pv)}/{len(pv)} cells")
     # bench/decision_cost.py's busy tenant case, for the record of this run's machine
     costs = [measure(p, int(n), "tenant", "busy") for p in ("prefix-affinity", "cost-model")
              for n in a.decision_cost.split(",") if n]
@@ -451,11 +453,8 @@ def main() -> int:
               "decision_cost": costs, "machine": machine()}
     if reuse:
         result["reused"] = {"from": os.path.basename(a.reuse), "targets": sorted({t for _, t in reuse})}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f)
-    elif not a.no_write:
-        print("wrote", write_result("routing_sim", result, plot))
+    if not a.no_write:
+        print("wrote", write_result("routing_sim", result, plot, results=a.out))
     return 0
 
 
