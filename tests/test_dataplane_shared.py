@@ -180,6 +180,25 @@ def test_prefix_key_keeps_the_holders_used_last(tmp_path):
     assert set(idx.match(keys("s", 1))[1]) == {"2", "3", "4", "5"}
 
 
+def test_prefix_routed_all_the_time_outlives_keys_passing_through_its_neighbourhood(tmp_path):
+    """A new key takes the slot of its neighbourhood used least recently: prefixes routed all the
+    time survive one-off keys ten times the table's size, in neighbourhoods inside the table and
+    wrapping at its end (a key's first byte is its probe start in a 64-slot table)."""
+    clock = Clock()
+    idx = SharedPrefixIndex.create(tmp_path / "p", slots=64, clock=clock)
+    hot = [bytes([start]) + b"hot-prefix-key!" for start in (0, 30, 60)]
+    rng = random.Random(7)
+    lost = 0
+    for _ in range(640):
+        clock.t += 1
+        idx.record([rng.randbytes(16)], "1")
+        for key in hot:
+            lost += idx.match([key])[1] != {"2": 1}
+            idx.record([key], "2")
+    assert lost == 3  # each hot key once, before it was first recorded
+    assert len(idx) == 64
+
+
 def test_prefix_affinity_of_two_workers_agrees(tmp_path):
     table = SharedTable.create(tmp_path / "t")
     index_a = SharedPrefixIndex.create(tmp_path / "p", slots=1024)
