@@ -228,28 +228,22 @@ class WorkerPool:
         self._stopping = True
         await cancel_and_wait(self._handover, self._resize_task)
         await self._retire(list(self._slots.values()), grace_s)
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
         for view, listener in self._hooked.values():
             with contextlib.suppress(ValueError):
                 view.listeners.remove(listener)
         self._hooked.clear()
-        if self._feed is not None:
-            await self._feed.stop()
-            self._feed = None
-        for sock in self._sockets.values():
-            sock.close()
-        self._sockets.clear()
-        if self._table is not None:
-            self._table.close()
-            self._table = None
+        await self._close_own()
 
     async def detach(self) -> None:
         """Leave the workers serving for the next daemon (live restore): close only what is
         this daemon's (the feed, its copies of the sockets, its view of the table)."""
         self._stopping = True
         await cancel_and_wait(self._handover, self._resize_task, *(s.task for s in self._slots.values()))
+        await self._close_own()
+
+    async def _close_own(self) -> None:
+        """What this daemon holds of the data plane, closed (stop and detach alike): its
+        membership subscription, the feed, its copies of the public sockets, its view of the table."""
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None

@@ -261,6 +261,14 @@ class GrpcProxy:
                                   up.backend.grpc_target, err.details())
             up.backend.report_failure(f"grpc: {err.details()}")
 
+    def _retrying(self, iid: str, err: grpc.aio.AioRpcError, tried: set[str] | None) -> set[str]:
+        """The instances a call retried after `err` from `iid` must not be sent to again (unary and
+        streaming calls alike); the retry counted by its cause."""
+        tried = tried or set()
+        tried.add(iid)
+        self.metrics.retry(iid, _retry_cause(err))
+        return tried
+
     def _timeout(self, context: grpc.aio.ServicerContext) -> tuple[float, bool]:
         """Upstream timeout, and whether it is ours (the client gave no deadline)."""
         remaining = context.time_remaining()
@@ -319,9 +327,7 @@ class GrpcProxy:
                         backend.report_failure(f"grpc: no answer within {timeout:g} s")
                     if retry:
                         last = err
-                        tried = tried or set()
-                        tried.add(iid)
-                        self.metrics.retry(iid, _retry_cause(err))
+                        tried = self._retrying(iid, err, tried)
                         continue
                     await context.abort(code, err.details() or "",
                                         _forwardable(err.trailing_metadata()) or ())
@@ -405,9 +411,7 @@ class GrpcProxy:
                     self._on_unavailable(up, err)
                 if (code is grpc.StatusCode.UNAVAILABLE or _queue_full(err)) and not inbox.committed:
                     last = err
-                    tried = tried or set()
-                    tried.add(iid)
-                    self.metrics.retry(iid, _retry_cause(err))
+                    tried = self._retrying(iid, err, tried)
                     continue
                 await context.abort(code, err.details() or "",
                                     _forwardable(err.trailing_metadata()) or ())
