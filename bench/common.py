@@ -320,7 +320,8 @@ def backends_of(status: dict[str, Any]):
 class SideNginx:
     """A private NGINX with the config trtllm-orch renders for --proxy nginx (same template,
     same least_conn upstream, keepalive and retry settings), pointed at the instances of an
-    already running daemon. `workers` None keeps the rendered `worker_processes auto`."""
+    already running daemon. `workers`: its worker_processes, as `--proxy-workers` sets them
+    (None: the product's default, `auto`, the count the embedded data plane runs too)."""
 
     def __init__(self, status: dict[str, Any], workers: int | None = None) -> None:
         from orchestrator.config import Settings
@@ -329,13 +330,12 @@ class SideNginx:
         self.dir = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
         (self.dir / "temp").mkdir()
         self.port = free_port()
-        settings = Settings(listen=f"127.0.0.1:{self.port}", grpc_listen="", metrics_listen="")
+        settings = Settings(listen=f"127.0.0.1:{self.port}", grpc_listen="", metrics_listen="",
+                            **({} if workers is None else {"proxy_workers": str(workers)}))
         user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else None
         text = render_nginx_config(settings, backends_of(status), self.dir, listen_port=self.port,
                                    worker_user=user)
-        if workers is not None:
-            assert "worker_processes auto;" in text
-            text = text.replace("worker_processes auto;", f"worker_processes {workers};")
+        self.workers = settings.worker_count()
         self.conf = self.dir / "nginx.conf"
         self.conf.write_text(text)
         self.proc: subprocess.Popen | None = None
@@ -413,6 +413,12 @@ class SideEmbedded:
 
 def daemon_pid(status: dict[str, Any]) -> int:
     return int(status["daemon"]["pid"])
+
+
+def dataplane_pids(status: dict[str, Any]) -> list[int]:
+    """The data-plane worker processes serving the endpoint (`up --proxy embedded`): where its
+    requests cost CPU, not the daemon."""
+    return [int(w["pid"]) for p in status.get("proxies", []) for w in p.get("workers", []) if w.get("alive")]
 
 
 # --- row benchmarks: one run's rows, or several runs' rows merged (a tree against another) --------

@@ -10,10 +10,11 @@ Setup (why it is fair): ONE daemon `trtllm-orch up --proxy embedded` with 2 inst
   - nginx       : a private NGINX started from the config trtllm-orch renders for
                   `--proxy nginx` (orchestrator.nginx.proxy.render_nginx_config: same template,
                   least_conn, upstream keepalive, retries), pointed at the same instances.
-                  `worker_processes auto` = 2 workers on this 2-core box.
-  - nginx-1w    : the same config with `worker_processes 1` (the embedded proxy is one
-                  single-threaded process: this is the like-for-like CPU budget).
-  - embedded    : the daemon's own embedded proxy (least-outstanding), the product path.
+                  `worker_processes` one per core (2 on this 2-core box).
+  - nginx-1w    : the same config with `worker_processes 1`: on this box both proxies'
+                  default count (`--proxy-workers auto`, a quarter of the CPUs, at least 1),
+                  the like-for-like CPU budget for the embedded data plane's one worker.
+  - embedded    : the product path: `up --proxy embedded`'s data-plane worker(s) (least-outstanding).
   - emb-uvloop  : (diagnostic) the same EmbeddedProxy code in its own process on uvloop.
   - emb-rr      : (mixed scenario) the same EmbeddedProxy code in its own process, round-robin.
 Starting NGINX beside the embedded daemon (instead of a second `--proxy nginx` daemon)
@@ -38,7 +39,9 @@ mixed p99: embedded least-outstanding < nginx least_conn.
 `--wrk` (issue 12): the same comparison with wrk, a C load generator (`apt-get install -y
 wrk`), which costs the shared cores far less per request than the Python generator above
 and so does not hide the proxy's cost. Targets: direct (instance 0), nginx-1w (the
-rendered config, 1 worker: least_conn, keepalive), embedded (the daemon's own proxy) and,
+rendered config, 1 worker: least_conn, keepalive), embedded (the product's: `up --proxy
+embedded`, its data-plane workers at the default count, 1 on 2 cores; their CPU and the
+daemon's is the proxy's) and,
 with `--compare-tree DIR`, emb-before (the embedded proxy of another checkout, e.g. the
 commit before a change, in its own process on the asyncio loop as that daemon ran it).
   - tiny `generate` (max_tokens 1, DEMO_TOKEN_DELAY_MS=0): req/s at 16 and 64 connections,
@@ -70,8 +73,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (GENERATE, REPO, RESULTS, pct, SideEmbedded, SideNginx, bars, body, free_port, latency_bars,
-                          machine, med, mixed_bodies, run_load, table, use_uvloop, wait_port, write_result)
+from bench.common import (GENERATE, REPO, RESULTS, pct, SideEmbedded, SideNginx, bars, body, daemon_pid,
+                          dataplane_pids, free_port, latency_bars, machine, med, mixed_bodies, run_load, table,
+                          use_uvloop, wait_port, write_result)
 from bench.wrk import SseSource, cpu_seconds, fake_status, idle_cpu_rate, run_wrk, ttft_load, wrk_path
 from tests.harness import DEMO_REPO, Run
 
@@ -151,7 +155,7 @@ def scenario_small(rounds: int, c16_s: float, c1_s: float, profile: bool) -> dic
     try:
         run.start()
         st = run.status()
-        ngx = SideNginx(st).start()
+        ngx = SideNginx(st, workers=os.cpu_count()).start()
         ngx1 = SideNginx(st, workers=1).start()
         side = SideEmbedded(st, "least-outstanding", uvloop=True).start()
         inst = [f"http://127.0.0.1:{i['ports']['http']}{GENERATE}" for i in st["instances"]]
@@ -178,7 +182,7 @@ def scenario_small(rounds: int, c16_s: float, c1_s: float, profile: bool) -> dic
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             RESULTS.mkdir(parents=True, exist_ok=True)
             prof = RESULTS / f"proxy_bench-{stamp}-embedded-daemon"
-            svg = _profile(int(st["daemon"]["pid"]), 8, prof, lambda sec: asyncio.run(
+            svg = _profile(dataplane_pids(st)[0], 8, prof, lambda sec: asyncio.run(
                 run_load(run.url(GENERATE), concurrency=16, duration_s=sec, target="profile")))
             out["profile"] = {"svg": svg, "raw": str(prof.with_suffix(".txt"))}
     finally:
@@ -214,7 +218,7 @@ def scenario_mixed(rounds: int, seconds: float, seed: int, slots: int) -> dict[s
     try:
         run.start()
         st = run.status()
-        ngx = SideNginx(st).start()
+        ngx = SideNginx(st, workers=os.cpu_count()).start()
         rr = SideEmbedded(st, "round-robin").start()
         targets = {"embedded": run.url(GENERATE), "nginx": ngx.url(GENERATE), "emb-rr": rr.url(GENERATE)}
         print(f"mixed: delay 5 ms x max_tokens 1..64 (seed {seed}), slots/instance {slots or 'unlimited'}, "
@@ -317,7 +321,8 @@ def wrk_small(rounds: int, seconds: float, c1_seconds: float, cpu_requests: int,
         ngx1 = SideNginx(st, workers=1).start()
         urls = {"direct": f"http://127.0.0.1:{st['instances'][0]['ports']['http']}{GENERATE}",
                 "nginx-1w": ngx1.url(GENERATE), "embedded": run.url(GENERATE)}
-        pids = {"direct": [], "nginx-1w": ngx1.pids(), "embedded": [int(st["daemon"]["pid"])]}
+        # the product's embedded proxy: its data-plane workers, and the daemon that feeds them
+        pids = {"direct": [], "nginx-1w": ngx1.pids(), "embedded": [daemon_pid(st), *dataplane_pids(st)]}
         if compare_tree is not None:
             before = SideEmbedded(st, "least-outstanding", tree=compare_tree).start()
             urls["emb-before"] = before.url(GENERATE)
@@ -393,7 +398,7 @@ def wrk_small(rounds: int, seconds: float, c1_seconds: float, cpu_requests: int,
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             RESULTS.mkdir(parents=True, exist_ok=True)
             prof = RESULTS / f"proxy_bench-{stamp}-embedded-wrk-c16"
-            svg = _profile(int(st["daemon"]["pid"]), 10, prof,
+            svg = _profile(dataplane_pids(st)[0], 10, prof,
                            lambda sec: run_wrk(urls["embedded"], data, connections=16, seconds=sec))
             out["profile"] = {"svg": svg, "raw": str(prof.with_suffix(".txt")), "load": "wrk c16, 9 s"}
         if relay is not None:
@@ -605,7 +610,7 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4, help="mixed: generations per instance at once "
                     "(0: the demo model as is, unlimited)")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--profile", action="store_true", help="py-spy the daemon under the small load")
+    ap.add_argument("--profile", action="store_true", help="py-spy a data-plane worker under the small load")
     ap.add_argument("--wrk", action="store_true", help="issue 12: measure with wrk (see the module doc)")
     ap.add_argument("--wrk-parts", default="small,stream,ttft", help="--wrk: which parts (comma-separated)")
     ap.add_argument("--wrk-seconds", type=float, default=5.0, help="--wrk: seconds per target per round")
