@@ -133,6 +133,10 @@ async def _case(case: str, instances: int, concurrency: int) -> dict[str, Any]:
         })
     finally:
         stop.set()
+        if case == "upgrade" and run.proc is not None and run.proc.poll() is not None:
+            # the daemon serving now is the one `upgrade` started, not the harness's: `down` as a
+            # user would (the harness stops only its own; what it must kill is a leak)
+            await asyncio.to_thread(run.cli, "down", "--state-dir", str(run.state_dir), timeout=180)
         out["leaked_pids"] = await asyncio.to_thread(run.close)
     print(f"  [{case}] {out.get('answered')} answered, {out.get('failed')} failed; engines kept "
           f"{out.get('engines_kept')}/{out.get('engines')}; back {out.get('back_s')} s after the new daemon",
