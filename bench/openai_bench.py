@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import REPO, bars, free_port, machine, med, table, wait_port, write_result
+from bench.common import REPO, bars, dataplane_pids, free_port, machine, med, table, wait_port, write_result
 from tests.harness import Run
 
 # The demo tokenizer's chat template for one user turn (demo/twin/tokenizer_files.py).
@@ -49,7 +49,7 @@ NATIVE_TEMPLATE = ('{"text_input": {{ ("<|user|>\\n" ~ text ~ "</s>\\n<|assistan
                    '"return_num_input_tokens": true, "return_num_output_tokens": true}')
 TARGETS = ("native", "openai")
 COLS = ["target", "concurrency", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "chunk_p50_ms", "latency_p50_ms",
-        "req_per_s", "daemon_cpu_ms_per_req", "n", "errors"]
+        "req_per_s", "proxy_cpu_ms_per_req", "n", "errors"]
 
 
 def aiperf_args(target: str, port: int, concurrency: int, requests: int, seed: int, out: Path,
@@ -206,6 +206,11 @@ async def proxy_cpu(repo: Path, requests: int, rounds: int, osl: int) -> dict[st
             **{f"{t}_us_per_req": med(v) for t, v in per.items()}, "per_round_us": per}
 
 
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds of `procs` so far."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
     """Per-target medians over rounds, per-round TTFT deltas and the verdict, from the raw runs."""
     runs, levels = data["runs"], sorted({x["concurrency"] for x in data["runs"]})
@@ -216,7 +221,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         for target in TARGETS:
             mine = [x for x in runs if x["target"] == target and x["concurrency"] == conc]
             rows.append({"target": target, "concurrency": conc,
-                         **{c: med([x[c] for x in mine]) for c in COLS[2:] if c not in ("n", "errors")},
+                         **{c: med([x.get(c) for x in mine]) for c in COLS[2:] if c not in ("n", "errors")},
                          "n": sum(x["n"] or 0 for x in mine), "errors": sum(x["errors"] for x in mine)})
         for r in rounds:
             pair = {x["target"]: x for x in runs if x["round"] == r and x["concurrency"] == conc}
@@ -252,8 +257,8 @@ def report(data: dict[str, Any]) -> str:
             f"{len(data['runs'])} AIPerf runs, {a['rounds']} rounds; one instance of the twin, decode "
             f"{a['token_delay_ms']} ms, prefill {a['prefill_ms_per_token']} ms/token, KV reuse off; ISL {a['isl']} "
             f"(bytes), OSL {a['osl']}, {a['requests']} requests per run. `bench/openai_bench.py` says how.\n\n"
-            "Medians over rounds (daemon_cpu_ms_per_req: the daemon's CPU time over a run per request, "
-            "background work included):\n\n```\n" + table(data["rows"], COLS) + "\n```\n\n"
+            "Medians over rounds (proxy_cpu_ms_per_req: the data-plane workers' and the daemon's CPU time "
+            "over a run per request, background work included):\n\n```\n" + table(data["rows"], COLS) + "\n```\n\n"
             + "\n".join(f"- {x}" for x in lines)
             + f"\n\nGoal, the OpenAI path adds <= 0.5 ms to TTFT p50: {verdict}\n\n"
             "## AIPerf's own tables (last round)\n\n"
@@ -361,7 +366,8 @@ def main() -> int:
     try:
         run.start(timeout=120)
         assert run.proc is not None
-        daemon = psutil.Process(run.proc.pid)  # the daemon: its embedded proxy does all translation
+        # the data-plane workers do all translation; the daemon feeds them
+        proxy = [psutil.Process(pid) for pid in (run.proc.pid, *dataplane_pids(run.status()))]
         for r in range(args.rounds):
             for conc in levels:
                 order = TARGETS if (r + conc) % 2 == 0 else TARGETS[::-1]
@@ -371,17 +377,17 @@ def main() -> int:
                                                                   1000 + r, out, native_template, args.isl,
                                                                   args.osl, tokenizer)]
                     t0 = time.monotonic()
-                    cpu0 = daemon.cpu_times()
+                    cpu0 = _cpu_s(proxy)
                     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-                    cpu1 = daemon.cpu_times()
+                    cpu1 = _cpu_s(proxy)
                     if res.returncode != 0:
                         print(res.stdout[-3000:], res.stderr[-3000:], file=sys.stderr)
                         raise SystemExit(f"aiperf failed for {target} c{conc} round {r}")
                     row = {"round": r, "target": target, "concurrency": conc, **summary(out)}
-                    # The proxy's own cost, whatever the box's other load does to latencies: the
-                    # daemon's CPU time over the run (warm-up included) per request.
+                    # The proxy's own cost, whatever the box's other load does to latencies: its
+                    # processes' CPU time over the run (warm-up included) per request.
                     sent = args.requests + max(5, conc * 2)
-                    row["daemon_cpu_ms_per_req"] = 1000 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / sent
+                    row["proxy_cpu_ms_per_req"] = 1000 * (cpu1 - cpu0) / sent
                     runs.append(row)
                     consoles[f"{target} c{conc}"] = (out / "profile_export_console.txt").read_text()
                     print(f"round {r} c{conc} {target}: ttft p50 {row['ttft_p50_ms']:.2f} ms "
