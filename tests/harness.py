@@ -88,6 +88,27 @@ def tagged(state_dir: Path) -> list[psutil.Process]:
     return out
 
 
+# How long a daemon that the harness did not start has to finish exiting before it counts as left
+# running (`down` answers once everything is stopped; the process itself ends a moment later).
+STRAY_DAEMON_EXIT_S = 10.0
+
+
+def daemons(state_dir: Path) -> list[psutil.Process]:
+    """Daemons (`up`) serving `state_dir`, however started: one that `upgrade` started carries no
+    tag in its environment (what the daemon starts does), only the directory on its command line."""
+    want = str(state_dir)
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        try:
+            if "up" in cmd and any(a == "--state-dir" and b == want for a, b in zip(cmd, cmd[1:])) and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
+
+
 _PORT_FLAGS = ("--base-port", "--listen", "--grpc-listen", "--metrics-listen")
 
 
@@ -203,10 +224,16 @@ class Run:
         return out
 
     def close(self) -> list[int]:
-        """Stop everything; return pids that had to be killed by the harness (should be [])."""
+        """Stop everything; return pids that had to be killed by the harness (should be []).
+        A daemon the harness did not start (after `upgrade`) is a leak too, killed first: alive,
+        it would start again what is killed after it."""
         if self.proc is not None and self.proc.poll() is None:
             self.down()
-        leaked = tagged(self.state_dir)
+        own = self.proc.pid if self.proc is not None else None
+        strays = [d for d in daemons(self.state_dir) if d.pid != own]
+        # one told to stop (`down` after `upgrade`) may still be on its way out: not a leak
+        strays = psutil.wait_procs(strays, timeout=STRAY_DAEMON_EXIT_S)[1] if strays else []
+        leaked = strays + tagged(self.state_dir)
         for p in leaked:
             try:
                 p.send_signal(signal.SIGKILL)

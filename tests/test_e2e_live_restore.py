@@ -240,6 +240,22 @@ def test_upgrade_replaces_the_daemon_and_adopts_under_load(orch_run):
     assert run.cli("down", "--state-dir", str(run.state_dir), timeout=120).returncode == 0
 
 
+def test_a_daemon_upgrade_started_and_nobody_stopped_is_a_leak_the_harness_kills_first(orch_run):
+    """The harness's leak check (tests/harness.Run.close) finds what the daemon started by its
+    tag; a daemon `upgrade` started carries none. Left running, it started again everything the
+    check killed (live_restore_bench's upgrade case left a daemon and its engines behind so)."""
+    from tests.harness import daemons, tagged
+    run = orch_run(gpus="0", tp=1, assume_gpus=1).start()
+    assert run.cli("upgrade", "--state-dir", str(run.state_dir), timeout=120).returncode == 0
+    assert run.proc.wait(timeout=10) == 75
+    upgraded = daemons(run.state_dir)
+    assert len(upgraded) == 1
+    leaked = run.close()  # no `down`: what a failed test leaves
+    assert upgraded[0].pid in leaked and len(leaked) > 1
+    time.sleep(2.0)  # long enough for a surviving daemon to have started a group again
+    assert daemons(run.state_dir) == [] and tagged(run.state_dir) == []
+
+
 def test_sigusr2_detaches_and_leaves_everything_serving(orch_run):
     run = orch_run(gpus="0-1", tp=1, assume_gpus=2).start()
     before = run.status()
