@@ -421,6 +421,12 @@ def dataplane_pids(status: dict[str, Any]) -> list[int]:
     return [int(w["pid"]) for p in status.get("proxies", []) for w in p.get("workers", []) if w.get("alive")]
 
 
+def embedded_proxy_pids(status: dict[str, Any]) -> list[int]:
+    """What `up --proxy embedded` spends its CPU in: the data-plane workers, and the daemon that
+    feeds them (a benchmark's proxy CPU)."""
+    return [daemon_pid(status), *dataplane_pids(status)]
+
+
 # --- row benchmarks: one run's rows, or several runs' rows merged (a tree against another) --------
 def missing_tools(bench: str, tools: tuple[str, ...]) -> bool:
     """True (and one line on stderr) when a tool is not on PATH; points sse_source's runner at it."""

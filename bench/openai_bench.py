@@ -38,9 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from bench.common import REPO, bars, dataplane_pids, free_port, machine, med, table, wait_port, write_result
+from bench.common import REPO, bars, embedded_proxy_pids, free_port, machine, med, table, wait_port, write_result
+from bench.wrk import cpu_seconds
 from tests.harness import Run
 
 # The demo tokenizer's chat template for one user turn (demo/twin/tokenizer_files.py).
@@ -206,11 +205,6 @@ async def proxy_cpu(repo: Path, requests: int, rounds: int, osl: int) -> dict[st
             **{f"{t}_us_per_req": med(v) for t, v in per.items()}, "per_round_us": per}
 
 
-def _cpu_s(procs: list[psutil.Process]) -> float:
-    """User + system CPU seconds of `procs` so far."""
-    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
-
-
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
     """Per-target medians over rounds, per-round TTFT deltas and the verdict, from the raw runs."""
     runs, levels = data["runs"], sorted({x["concurrency"] for x in data["runs"]})
@@ -366,8 +360,7 @@ def main() -> int:
     try:
         run.start(timeout=120)
         assert run.proc is not None
-        # the data-plane workers do all translation; the daemon feeds them
-        proxy = [psutil.Process(pid) for pid in (run.proc.pid, *dataplane_pids(run.status()))]
+        proxy = embedded_proxy_pids(run.status())  # the data-plane workers translate; the daemon feeds them
         for r in range(args.rounds):
             for conc in levels:
                 order = TARGETS if (r + conc) % 2 == 0 else TARGETS[::-1]
@@ -377,9 +370,9 @@ def main() -> int:
                                                                   1000 + r, out, native_template, args.isl,
                                                                   args.osl, tokenizer)]
                     t0 = time.monotonic()
-                    cpu0 = _cpu_s(proxy)
+                    cpu0 = cpu_seconds(proxy)
                     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-                    cpu1 = _cpu_s(proxy)
+                    cpu1 = cpu_seconds(proxy)
                     if res.returncode != 0:
                         print(res.stdout[-3000:], res.stderr[-3000:], file=sys.stderr)
                         raise SystemExit(f"aiperf failed for {target} c{conc} round {r}")

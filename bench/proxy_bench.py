@@ -73,9 +73,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (GENERATE, REPO, RESULTS, pct, SideEmbedded, SideNginx, bars, body, daemon_pid,
-                          dataplane_pids, free_port, latency_bars, machine, med, mixed_bodies, run_load, table,
-                          use_uvloop, wait_port, write_result)
+from bench.common import (GENERATE, REPO, RESULTS, pct, SideEmbedded, SideNginx, bars, body, dataplane_pids,
+                          embedded_proxy_pids, free_port, latency_bars, machine, med, mixed_bodies, run_load,
+                          table, use_uvloop, wait_port, write_result)
 from bench.wrk import SseSource, cpu_seconds, fake_status, idle_cpu_rate, run_wrk, ttft_load, wrk_path
 from tests.harness import DEMO_REPO, Run
 
@@ -321,8 +321,7 @@ def wrk_small(rounds: int, seconds: float, c1_seconds: float, cpu_requests: int,
         ngx1 = SideNginx(st, workers=1).start()
         urls = {"direct": f"http://127.0.0.1:{st['instances'][0]['ports']['http']}{GENERATE}",
                 "nginx-1w": ngx1.url(GENERATE), "embedded": run.url(GENERATE)}
-        # the product's embedded proxy: its data-plane workers, and the daemon that feeds them
-        pids = {"direct": [], "nginx-1w": ngx1.pids(), "embedded": [daemon_pid(st), *dataplane_pids(st)]}
+        pids = {"direct": [], "nginx-1w": ngx1.pids(), "embedded": embedded_proxy_pids(st)}
         if compare_tree is not None:
             before = SideEmbedded(st, "least-outstanding", tree=compare_tree).start()
             urls["emb-before"] = before.url(GENERATE)
