@@ -384,11 +384,12 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     from orchestrator.controlplane.control_socket import call_sync
-    from orchestrator.launcher.process_tree import OsOps
+    from orchestrator.launcher.process_tree import OsOps, alive, process_of
     from orchestrator.controlplane.reaper import leftover_processes, sweep_leftovers
     sd = _state_dir_of(args)
     daemon_pid = sd.lock_holder()
     if daemon_pid:
+        daemon = process_of(daemon_pid)  # taken before it stops: its start time tells a reused pid apart
         try:
             call_sync(sd.socket_path, "POST", "/down")
         except DaemonNotRunning:
@@ -398,6 +399,13 @@ def cmd_down(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         if sd.lock_holder():
             raise OrchError(f"the daemon (pid {daemon_pid}) did not stop within {args.timeout_s:g}s")
+        # The lock goes first; the interpreter's teardown (the loop's executor threads joined,
+        # exit handlers) comes after it. "Nothing of the run is left" includes the daemon.
+        while daemon is not None and alive(daemon) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if daemon is not None and alive(daemon):
+            raise OrchError(f"the daemon (pid {daemon_pid}) released its lock but had not exited "
+                            f"within {args.timeout_s:g}s")
     from orchestrator.launcher.slurm import sweep_steps
     steps, stuck = asyncio.run(sweep_steps(sd.root))  # a Slurm run's steps, found by name
     if steps:

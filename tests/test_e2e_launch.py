@@ -103,6 +103,31 @@ def test_up_two_tp2_instances_then_down_leaves_nothing(orch_run):
     assert not (run.state_dir / "state.json").exists()
 
 
+# Installed for one test as sitecustomize: the `up` process sleeps in an exit handler, after it
+# has released its lock (as a daemon does whose loop waits on executor threads at exit).
+LINGER_AT_EXIT = """
+import atexit, os, sys, time
+def _linger():
+    if sys.argv[1:2] == ["up"]:
+        time.sleep(float(os.environ["TEST_DAEMON_LINGER_S"]))
+atexit.register(_linger)
+"""
+
+
+def test_down_returns_only_once_the_daemon_process_is_gone(orch_run, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LINGER_AT_EXIT)
+    run = orch_run(gpus="0", tp=1, assume_gpus=1, env_extra={"TEST_DAEMON_LINGER_S": "3"})
+    run.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), run.env.get("PYTHONPATH")]))
+    run.start()
+    daemon = run.status()["daemon"]["pid"]
+    out = run.cli("down", "--state-dir", str(run.state_dir), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not running(daemon)  # was still in its exit handler for 3 s after `down` returned
+    assert run.proc.wait(timeout=10) == 0
+
+
 def test_sigkill_daemon_then_down_leaves_no_orphan(orch_run):
     run = orch_run().start()
     status = run.status()

@@ -134,6 +134,17 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
+def process_of(pid: int) -> psutil.Process | None:
+    """The process with this pid now (it keeps its start time: `alive` later tells a reused pid
+    apart), or None where there is none."""
+    if pid <= 0:
+        return None
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
 def tagged_processes(state_dir: str, instance_id: str | None = None) -> list[psutil.Process]:
     """Processes whose environment says they belong to this state dir (and instance)."""
     found = []
