@@ -361,3 +361,19 @@ def test_affinity_before_the_model_has_rates_picks_the_fewest_requests():
     policy = PrefixAffinity(random.Random(1), clock=clock)
     assert policy.choose(eng.backends, (), {"0": 3, "1": 1}, RouteHints.from_prompt("x" * 3000)).instance_id == "1"
     assert policy.last_decision.estimate_s is None
+
+
+def test_a_retried_attempts_pick_is_abandoned_not_left_pending():
+    policy, eng, clock = learnt()
+    metrics = ProxyMetrics()
+    timer = metrics.timer("generate_stream")
+    first = policy.choose(eng.backends, (), {}, RouteHints.from_prompt("unique long prompt " * 600)).instance_id
+    metrics.route_decision(policy.last_decision, timer)
+    assert policy._insts[first].pending.at(clock.t) > 10000
+    # that attempt failed: the proxy picks again, elsewhere, for the same generation
+    again = policy.choose(eng.backends, (first,), {}, RouteHints.from_prompt("unique long prompt " * 600))
+    metrics.route_decision(policy.last_decision, timer)
+    assert policy._insts[first].pending.at(clock.t) == 0  # its prefill will not happen there
+    timer.events(again.instance_id, 1)
+    assert policy._insts[again.instance_id].pending.at(clock.t) == 0
+    assert policy.journal.errors.value > 0  # the second pick's estimate met its first token

@@ -148,6 +148,10 @@ def test_llm_metrics_match_what_the_client_measured(orch_run):
         sse_events - N_STREAM
     assert total(m, "trtllm_orch_proxy_routing_decisions_total", policy="prefix-affinity") == \
         N_STREAM + N_PLAIN + N_GRPC
+    # every pick of a generation reaches the routing model's books (the cost model behind the
+    # default's cache-less picks): its prompt in tokens, and the first token ends its prefill
+    assert total(m, "trtllm_orch_proxy_route_prompt_tokens_count") == N_STREAM + N_PLAIN + N_GRPC
+    assert total(m, "trtllm_orch_proxy_route_prompt_tokens_sum") > 0
     assert total(m, "trtllm_orch_proxy_held_requests") == 0
     assert total(m, "trtllm_orch_proxy_retries_total") == 0
     # both instances served (the default prefix-affinity routes these short prompts by load)

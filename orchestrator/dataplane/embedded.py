@@ -468,6 +468,8 @@ class EmbeddedProxy:
             iid = b.instance_id
             tried.append(iid)
             self.metrics.routed(balancer.policy, balancer.last_reason, iid)
+            if timer is not None:  # a generation: its first token ends the pick's pending prefill
+                self.metrics.route_decision(balancer.last_decision, timer)
             # Path and query are sent exactly as classified, no requoting.
             target = f"{path}?{query}" if query else path
             balancer.acquire(iid)

@@ -35,7 +35,7 @@ from orchestrator.routing.balancer import Balancer
 from orchestrator.dataplane.embedded import QUEUE_FULL_TEXT, SAME_INSTANCE_RETRY_DELAY_S
 from orchestrator.dataplane.hold import HoldGate
 from orchestrator.routing.llm_policies import RouteHints
-from orchestrator.dataplane.metrics import ProxyMetrics
+from orchestrator.dataplane.metrics import ProxyMetrics, TokenTimer
 from orchestrator.routing.prompt import prompt_of_grpc
 from orchestrator.routing.surface import ADMIN_GRPC_METHODS, GRPC_SERVICE, PUBLIC_GRPC_METHODS, STREAMING_GRPC_METHODS
 
@@ -224,7 +224,8 @@ class GrpcProxy:
             up = self._upstreams[backend.instance_id] = _Upstream(backend, self._channel_options)
         return up
 
-    async def _pick(self, tried: set[str] | None, hints: RouteHints | None) -> Backend | None:
+    async def _pick(self, tried: set[str] | None, hints: RouteHints | None,
+                    timer: TokenTimer | None = None) -> Backend | None:
         # Unlike the HTTP proxy, never back to an instance this call already tried: a
         # gRPC UNAVAILABLE may be the instance's own answer, and would be again. An
         # instance that restarted since is a new one: the hold waits for it.
@@ -240,6 +241,8 @@ class GrpcProxy:
             chosen = self._balancer.pick(backends, tried, hints)
         if chosen is not None:
             self.metrics.routed(self._balancer.policy, self._balancer.last_reason, chosen.instance_id)
+            if timer is not None:  # a generation: its first token ends the pick's pending prefill
+                self.metrics.route_decision(self._balancer.last_decision, timer)
         return chosen
 
     def _hints(self, message: bytes | None) -> RouteHints | None:
@@ -301,7 +304,7 @@ class GrpcProxy:
             hints = self._hints(request) if local_answer is None else None
             timer = self.metrics.timer(name) if name == "ModelInfer" else None
             for _ in range(self._max_attempts):
-                backend = await self._pick(tried, hints) if local_answer is None else \
+                backend = await self._pick(tried, hints, timer) if local_answer is None else \
                     self._balancer.pick(self._backends.current(), tried or ())
                 if backend is None:
                     break
@@ -372,7 +375,7 @@ class GrpcProxy:
         hints = self._hints(first) if self._balancer.wants_prompt else None
         timer = self.metrics.timer("ModelStreamInfer")
         for _ in range(self._max_attempts):
-            backend = await self._pick(tried, hints)
+            backend = await self._pick(tried, hints, timer)
             if backend is None:
                 break
             iid = backend.instance_id

@@ -130,6 +130,7 @@ class ProxyMetrics:
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._inflight_children: dict[str, Gauge] = {}
         self._latency_children: dict[str, Histogram] = {}
+        self._route_children: dict[str, tuple[Histogram, Histogram]] = {}  # prompt, cached tokens
         self._known_instances: set[str] = set()
 
     # --- per request (hot path) --------------------------------------------------
@@ -160,17 +161,25 @@ class ProxyMetrics:
         c.inc()
         self.recent.routed(instance, reason, time.monotonic())
 
-    def route_decision(self, decision: Any, timer: "TokenTimer | None") -> None:
-        """The routing model's pick (Balancer.last_decision: None for policies without a model):
-        its prompt and cached tokens now; its TTFT estimate against the observed one when the
-        timer sees the first token (which also tells the model its prefill is done)."""
+    def route_decision(self, decision: Any, timer: "TokenTimer") -> None:
+        """The routing model's pick of a generation's attempt (Balancer.last_decision: None for
+        policies without a model): its prompt and cached tokens now; its TTFT estimate against the
+        observed one when the timer sees the first token (which also tells the model its prefill
+        is done). An earlier attempt's pick on the same timer (retried elsewhere) is abandoned:
+        its prefill will not happen there."""
         if decision is None:
             return
+        earlier = timer.decision
+        if earlier is not None:
+            earlier.abandoned()
         iid = decision.instance
-        self.route_prompt_tokens.labels(iid).observe(decision.prompt_tokens)
-        self.route_cached_tokens.labels(iid).observe(decision.cached_tokens)
-        if timer is not None:
-            timer.decision = decision
+        children = self._route_children.get(iid)
+        if children is None:
+            children = self._route_children[iid] = (self.route_prompt_tokens.labels(iid),
+                                                    self.route_cached_tokens.labels(iid))
+        children[0].observe(decision.prompt_tokens)
+        children[1].observe(decision.cached_tokens)
+        timer.decision = decision
 
     def route_first_token(self, decision: Any, seconds: float) -> None:
         error = decision.first_token(seconds)

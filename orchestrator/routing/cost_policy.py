@@ -137,6 +137,14 @@ class Decision:
             meter.add(error)
         return error
 
+    def abandoned(self) -> None:
+        """The attempt failed before a first token (the request was retried elsewhere or ended):
+        its prefill is pending there no more, and there is no error to learn from."""
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            Pending.done(entry)
+        self._meter = None
+
 
 class CostModel:
     wants_prompt = True
