@@ -16,7 +16,7 @@ from orchestrator.routing.balancer import Balancer, SharedRouting
 from orchestrator.routing.cost_model import ttft_estimate
 from orchestrator.routing.cost_policy import HIT, LOAD, MISS, SPILL, CostModel
 from orchestrator.routing.journal import Journal
-from orchestrator.routing.llm_policies import PrefixAffinity, RouteHints
+from orchestrator.routing.llm_policies import RouteHints
 from orchestrator.routing.prefix_index import PrefixIndex
 from orchestrator.top import render
 from tests.test_top_render import STATUS, text_of
@@ -315,52 +315,6 @@ def test_metrics_top_and_recent_show_the_models_picks(monkeypatch):
         **STATUS["instances"][0]["llm"], "routes": {"hit": 8, "miss": 1, "spill": 1}, "ttft_est_err": 0.12})]}
     out = text_of(render(status), width=220)
     assert "ROUTE h/m/s" in out and "80/10/10" in out and "12%" in out
-
-
-# --- the default (prefix-affinity) makes its cache-less picks by this model ------------------------
-def learnt_affinity(n: int = 2) -> tuple[PrefixAffinity, Engines, Clock]:
-    clock = Clock()
-    eng = Engines(n, clock)
-    policy = PrefixAffinity(random.Random(1), clock=clock)
-    policy.choose(eng.backends, (), {}, RouteHints.from_prompt("warm-up " * 250))  # as learnt() above
-    eng.scrape(60)
-    assert policy.cost.ratio.source == "engine" and all(policy.cost.book.rates(b.instance_id) for b in eng.backends)
-    return policy, eng, clock
-
-
-def test_affinity_sends_a_prompt_nobody_holds_where_it_costs_least_not_to_the_fewest_requests():
-    policy, eng, clock = learnt_affinity()
-    a = policy.choose(eng.backends, (), {}, RouteHints.from_prompt("unique long prompt " * 600)).instance_id
-    long_one = policy.last_decision
-    b = "1" if a == "0" else "0"
-    # ~11k prompt tokens wait for their prefill at `a`; `b` runs two more requests, with free slots
-    assert policy.choose(eng.backends, (), {a: 1, b: 3}, RouteHints.from_prompt("short " * 60)).instance_id == b
-    assert policy.last_reason == "prefix-miss"  # by requests alone: `a`
-    long_one.first_token(0.3)  # its prefill is done: nothing pending at `a`, the fewest requests win
-    assert policy.choose(eng.backends, (), {a: 1, b: 3}, RouteHints.from_prompt("other " * 60)).instance_id == a
-
-
-def test_affinity_keeps_the_models_books_for_its_holder_picks():
-    policy, eng, clock = learnt_affinity()
-    holder = policy.choose(eng.backends, (), {}, hints(1)).instance_id
-    policy.last_decision.first_token(0.1)
-    pending = policy.cost.journal.pending(holder)
-    assert pending.at(clock.t) == 0
-    policy.choose(eng.backends, (), {holder: 2}, hints(1, "and a question of its own"))
-    d = policy.last_decision
-    assert policy.last_reason == "prefix" and d.instance == holder
-    # the prefix is counted as cached (whole blocks), the question is what waits for its prefill
-    assert 0.8 * d.prompt_tokens < d.cached_tokens < d.prompt_tokens and d.estimate_s > 0
-    assert pending.at(clock.t) == d.prompt_tokens - d.cached_tokens
-    assert d.first_token(d.estimate_s) == pytest.approx(0.0) and pending.at(clock.t) == 0
-
-
-def test_affinity_before_the_model_has_rates_picks_the_fewest_requests():
-    clock = Clock()
-    eng = Engines(2, clock)
-    policy = PrefixAffinity(random.Random(1), clock=clock)
-    assert policy.choose(eng.backends, (), {"0": 3, "1": 1}, RouteHints.from_prompt("x" * 3000)).instance_id == "1"
-    assert policy.last_decision.estimate_s is None
 
 
 def test_a_retried_attempts_pick_is_abandoned_not_left_pending():

@@ -209,10 +209,10 @@ def test_a_replaced_prefix_affinity_stops_listening():
     bs = backends_at(clock, engine(clock.t), engine(clock.t))
     policy = PrefixAffinity(random.Random(1), clock=clock, index=PrefixIndex(clock=clock))
     policy.choose(bs, (), {}, None)
-    assert len(bs[0].engine.listeners) == 2  # its eviction verdict's and its cost model's
+    assert len(bs[0].engine.listeners) == 1
     del policy
     gc.collect()
     scrape(bs, engine(clock.t + 0.1), engine(clock.t + 0.1))  # nobody behind the listener: nothing happens
     new = PrefixAffinity(random.Random(1), clock=clock, index=PrefixIndex(clock=clock))
     new.choose(bs, (), {}, None)
-    assert len(bs[0].engine.listeners) == 2  # the dead one's listeners made room for the new one's
+    assert len(bs[0].engine.listeners) == 1  # the dead one's listener made room for the new one

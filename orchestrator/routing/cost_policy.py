@@ -75,7 +75,7 @@ from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.cost_model import RateBook, Rates, cached_blocks
 from orchestrator.routing.journal import ErrorMeter, Journal, Pending
-from orchestrator.routing.hints import RouteHints
+from orchestrator.routing.llm_policies import RouteHints
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex
 from orchestrator.routing.tokens import TokenRatio
 from orchestrator.routing.view_listeners import subscribe
@@ -197,7 +197,7 @@ class CostModel:
             if inst.slots:
                 inst.wait_unit = r.out_tokens * r.iter_s / inst.slots
 
-    def listen(self, backends: Sequence[Backend]) -> None:
+    def _sync(self, backends: Sequence[Backend]) -> None:
         """Listen to the views of a new ready set (an instance new to us, or back with a new view)."""
         for b in backends:
             inst = self._insts.get(b.instance_id)
@@ -222,81 +222,31 @@ class CostModel:
         if found is None:
             return None
         inst, reason, estimate, tokens, cached = found
-        if hints is not None and hints.prompt_keys:
-            self.index.record(hints.prompt_keys, inst.iid)
-        self._note(inst, hints, reason, estimate, tokens, cached, now)
-        for b in backends:
-            if b.instance_id == inst.iid:
-                return b
-        return None  # not reached: the pick is one of `backends`
-
-    # --- for a policy that makes some picks by another rule (llm_policies.PrefixAffinity) ----------
-    def cheapest_uncached(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
-                          hints: RouteHints | None) -> Backend | None:
-        """Where the request would cost least with no cache at stake anywhere (its prompt's prefill,
-        the prefill routed there and not done yet, the wait for a slot), or None until the model
-        has seconds to compare (rates and the token ratio learnt). Changes nothing."""
-        if hints is not None and hints.prompt_keys:
-            hints = RouteHints((), hints.prompt_chars, hints.route_key, hints.text)
-        found = self._evaluate(backends, skip, inflight, hints, self._clock())
-        if found is None or found[2] is None:
-            return None
-        for b in backends:
-            if b.instance_id == found[0].iid:
-                return b
-        return None
-
-    def routed(self, backends: Sequence[Backend], inflight: Mapping[str, int], instance_id: str,
-               hints: RouteHints | None, cached_chunks: int, reason: str) -> "Decision":
-        """Another rule sent the request to `instance_id`, where `cached_chunks` leading chunks of
-        its prompt are likely cached: note what `choose` notes of its own picks (the prefill now
-        pending there, the prompt's length, the blocks it writes) and return the Decision whose
-        first token the proxy reports. The prefix index is the caller's to record."""
-        self._inflight = inflight
-        if backends is not self._seen:
-            self.listen(backends)
-        now = self._clock()
-        inst = self._insts[instance_id]
-        tokens = int(hints.prompt_chars * self.ratio.value) if hints is not None else 0
-        cached = min(int(cached_chunks * self.chunk_chars * self.ratio.value), max(0, tokens - 1))
-        if inst.block:
-            cached -= cached % inst.block  # the engine reuses whole blocks
-        estimate = None
-        if inst.rates is not None and self.ratio.source != "prior":
-            n = inflight.get(instance_id, 0) + (inst.foreign if now - inst.at <= inst.stale_after_s else 0)
-            estimate = self._estimate(inst, n, tokens, cached)
-        self._note(inst, hints, reason, estimate, tokens, cached, now)
-        return self.last_decision
-
-    def _note(self, inst: _Inst, hints: RouteHints | None, reason: str, estimate: float | None, tokens: int,
-              cached: int, now: float) -> None:
-        """What a pick leaves behind: its prefill pending there until its first token, its blocks in
-        the instance's write log, its length for the token ratio, and the Decision."""
+        iid = inst.iid
         entry = None
         if estimate is not None and tokens > cached:
             entry = inst.pending.add(tokens - cached, now + estimate)
         if hints is not None:
-            if hints.prompt_keys and self._recency is None:  # the index keeps no times: the journal does
-                inst.log.touch(hints.prompt_keys, now)
+            if hints.prompt_keys:
+                self.index.record(hints.prompt_keys, iid)
+                if self._recency is None:  # the index keeps no times: the journal does
+                    inst.log.touch(hints.prompt_keys, now)
             self.ratio.prompt(hints.prompt_chars, hints.text)
         if inst.block:
             inst.log.add(now, (tokens - cached) / inst.block, 2.0 * (inst.kv_blocks or 1))
         self.last_reason = reason
-        self.last_decision = Decision(inst.iid, now, reason, estimate, tokens, cached, entry, self.journal.errors)
-
-    @staticmethod
-    def _estimate(inst: _Inst, n: int, tokens: int, cached: int) -> float:
-        """TTFT there behind `n` requests, without the delay the choice imposes on the others."""
-        r = inst.rates
-        return r.prefill_s * (inst.pending.total + tokens - cached) + r.decode_s + \
-            ((n - inst.slots + 1) * inst.wait_unit if n >= inst.slots else 0.0)
+        self.last_decision = Decision(iid, now, reason, estimate, tokens, cached, entry, self.journal.errors)
+        for b in backends:
+            if b.instance_id == iid:
+                return b
+        return None  # not reached: the pick is one of `backends`
 
     def _evaluate(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
                   hints: RouteHints | None, now: float) -> tuple[_Inst, str, float | None, int, int] | None:
         """The pick and why, changing nothing: (instance, reason, TTFT estimate, tokens, cached)."""
         self._inflight = inflight
         if backends is not self._seen:
-            self.listen(backends)
+            self._sync(backends)
         insts = self._insts
         cands = [insts[b.instance_id] for b in backends if b.instance_id not in skip] if skip else \
             [insts[b.instance_id] for b in backends]
@@ -403,7 +353,12 @@ class CostModel:
             reason = HIT
         else:
             reason = SPILL
-        estimate = self._estimate(inst, ns[pick], tokens, got) if learnt else None
+        estimate = None
+        if learnt:  # without the delay the choice imposes on the others
+            r = inst.rates
+            n = ns[pick]
+            estimate = r.prefill_s * (inst.pending.total + tokens - got) + r.decode_s + \
+                ((n - inst.slots + 1) * inst.wait_unit if n >= inst.slots else 0.0)
         return inst, reason, estimate, tokens, got
 
     def forget(self, instance_id: str) -> None:

@@ -31,25 +31,8 @@ is such, the prompt routes as a miss (reason `prefix-evicted`), and a prefix spl
 between two caches goes back to the copy that is left.
 
 Where no holder is taken (no prompt, a prompt nobody served, every holder past the
-slack) no cache is at stake, and it picks where the request costs least in seconds, by
-the cost model (cost_policy.CostModel.cheapest_uncached): its prompt's prefill, the
-prefill routed there and not done yet, the wait for a batch slot. Until that model has
-rates and a token ratio (the first seconds), and for a request without a prompt it
-cannot weigh, that is by `requests` alone: least-outstanding, plus foreign work. The
-model keeps the books of every pick this policy makes, holders included (`routed`: the
-prompt tokens each instance has yet to prefill end at the request's first token), and
-each pick's Decision goes to the metrics as the cost model's do (estimated against
-observed TTFT). By `requests` alone, a prompt of 3000 tokens and one of 30 weighed the
-same: in bench/routing_sim.py's 80 cells (6 seeds x 60 s, routing_sim-20261126T130840Z
-against this change's run in bench/README.md) the cells without a shared prefix went
-0.81-0.90 x in TTFT p90 where the engines have 64 slots (s64/room4/mixed/r1 the 0.81),
-s8/room1.5/mixed/r1 1.037 -> 1.003 x the best baseline, s64/room1.5/mixed/r2 1.056 ->
-0.959, s64/room4/unique/r2 1.039 -> 0.959; cells within 3% of the best baseline 73 ->
-75, geometric mean 0.612 -> 0.601. It lost s8/room1.5/mixed/r2 (0.995 -> 1.083 x), as
-cost-model itself does there (1.056). With several data-plane workers the books are each
-worker's own (its own picks' pending prefill): every worker sees its share of the prefill
-in flight, not the whole (cost_policy's module doc).
-KV blocks that running requests hold do not delay a new prompt
+slack) no cache is at stake, and it picks by `requests` alone: least-outstanding,
+plus foreign work. KV blocks that running requests hold do not delay a new prompt
 until the cache is full, and counting them as load sent the next prompt away from
 an instance running a long one onto an instance with no free slot: in
 bench/routing_sim.py's s8/room4/mixed/closed (unique prompts, 20% of 1-3k tokens,
@@ -88,16 +71,15 @@ from __future__ import annotations
 import math
 import random
 import time
+import zlib
 from bisect import bisect_right
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.eviction import KvWrites
-from orchestrator.routing.cost_policy import CostModel
-from orchestrator.routing.hints import RouteHints  # noqa: F401 - where the proxy and policies have imported it from
-from orchestrator.routing.journal import Journal
-from orchestrator.routing.prefix_index import PrefixIndex
+from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex, chunk_keys
 from orchestrator.routing.view_listeners import subscribe
 
 KV_WEIGHT = 0.5  # a full KV cache counts as half a batch of extra requests
@@ -122,6 +104,27 @@ DEFAULT_SLACK = 12.0
 ROUTE_KINDS = {"hit": "hit", "miss": "miss", "spill": "spill",
                "prefix": "hit", "prefix-miss": "miss", "prefix-evicted": "miss", "prefix-overloaded": "spill",
                "prefix-kv-wait": "spill"}
+
+
+@dataclass(frozen=True)
+class RouteHints:
+    """What a policy may know about the request; built by the proxy, only when the policy wants it."""
+
+    prompt_keys: tuple[bytes, ...] = ()
+    prompt_chars: int = 0  # the prompt's length as read (prompt.MAX_PROMPT_CHARS at most)
+    # A checksum of the prompt's head (its first chunk): where estimates tie, every worker
+    # breaks the tie alike, and a prompt's tenants land together (cost_policy.py).
+    route_key: int = 0
+    # The prompt itself, for a policy that samples it with the model's tokenizer (cost-model).
+    text: str = field(default="", repr=False, compare=False)
+
+    @classmethod
+    def from_prompt(cls, prompt: str | None) -> "RouteHints | None":
+        if not prompt:
+            return None
+        keys = tuple(chunk_keys(prompt))
+        head = keys[0] if keys else prompt[:DEFAULT_CHUNK_CHARS].encode("utf-8", "surrogatepass")
+        return cls(keys, len(prompt), zlib.crc32(head), prompt)
 
 
 class InflightHistory:
@@ -346,16 +349,10 @@ class KvAware(_LoadAware):
 
 class PrefixAffinity(_LoadAware):
     def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic,
-                 index: PrefixIndex | None = None, slack: float = DEFAULT_SLACK,
-                 journal: Journal | None = None) -> None:
+                 index: PrefixIndex | None = None, slack: float = DEFAULT_SLACK) -> None:
         super().__init__(rng, clock)
         self.index = index if index is not None else PrefixIndex(clock=clock)
         self.slack = slack
-        # The cost model in seconds (cost_policy.py) makes the picks with no cache at stake and
-        # keeps the books of every pick (the prefill pending at each instance), so its estimate
-        # knows what was sent where: see the module doc.
-        self.cost = CostModel(rng, clock=clock, index=self.index, journal=journal)
-        self.last_decision = None
         # An index that keeps when each prefix was routed where lets a holder whose engine has
         # surely evicted it since count as none (eviction.py); one that does not, never.
         self._recency = getattr(self.index, "match_recency", None)
@@ -393,14 +390,10 @@ class PrefixAffinity(_LoadAware):
                 self.last_reason = "prefix-evicted" if gone else "prefix-miss"
         else:
             self.last_reason = "no-prompt"
-        cost = self.cost
-        if chosen is None:  # no cache at stake: where the request costs least, else the fewest requests
-            chosen = cost.cheapest_uncached(backends, skip, inflight, hints) or \
-                _least(candidates, requests_at, self._turns)
-            deepest = 0
+        if chosen is None:  # no cache at stake: how full each engine is, nothing more
+            chosen = _least(candidates, requests_at, self._turns)
         if keys:
             self.index.record(keys, chosen.instance_id)
-        self.last_decision = cost.routed(backends, inflight, chosen.instance_id, hints, deepest, self.last_reason)
         return self._chosen(now, inflight, chosen)
 
     def _sync(self, backends: Sequence[Backend]) -> None:
@@ -441,4 +434,3 @@ class PrefixAffinity(_LoadAware):
     def forget(self, instance_id: str) -> None:
         self.index.forget_instance(instance_id)
         self._writes.pop(instance_id, None)
-        self.cost.forget(instance_id)
