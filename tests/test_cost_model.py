@@ -221,3 +221,21 @@ def test_ttft_estimate_waits_for_slots_then_prefills():
     assert ttft_estimate(r, slots=8, n=3, uncached=1000) == pytest.approx(0.1 + 0.02)
     # 8 running + 2 queued: the third completion frees ours, each 20 * 0.05 / 8 s apart
     assert ttft_estimate(r, slots=8, n=10, uncached=0) == pytest.approx(3 * 20 * 0.05 / 8 + 0.02)
+
+
+def test_instances_of_one_shape_learn_one_decode_rate():
+    """Two engines alike, one busy with prompts, the other mostly decoding: decode_s is what an
+    iteration costs without prompt tokens, the same engine's on both. Learnt per instance (the
+    instance's mean iteration less the shape's prefill rate times the prompt tokens of the few
+    iterations its scrapes saw), it came out apart, and on the real twin the one that looked
+    cheaper was sent more (bench/README.md, routing_bench-20261126T163245Z)."""
+    book = RateBook()
+    busy, quiet = TwinTrace(seed=3), TwinTrace(seed=4)
+    quiet.rng.choice = lambda options: 0 if quiet.rng.random() < 0.9 else 2100  # prompts 1 in 10
+    for a, b in zip(busy.snapshots(60), quiet.snapshots(60)):
+        book.observe("0", a)
+        book.observe("1", b)
+    r0, r1 = book.rates("0"), book.rates("1")
+    assert r0.decode_s == r1.decode_s  # per instance: 15.6 and 15.0 ms
+    assert r0.decode_s == pytest.approx(0.02, rel=0.2)
+    assert r0.iter_s > r1.iter_s  # each instance keeps its own mean iteration (its queue's pace)

@@ -21,10 +21,12 @@ snapshots in the same order, so every worker learns the same rates:
                 slope is SIGNIFICANCE standard errors above zero: the first spans of a cold
                 start fitted it near zero or at half the truth, and a cached prefix then looked
                 worth little next to a queue
-    decode_s    seconds per iteration without prompt tokens, per instance: iter_s less
-                prefill_s times the mean context tokens of the scraped iterations (a scrape sees
-                the last finished iteration: an unbiased sample of them; a ratio of forgotten
-                sums, right from the first scrapes)
+    decode_s    seconds per iteration without prompt tokens, per engine shape, as prefill_s:
+                the shape's mean iteration less prefill_s times the mean context tokens of the
+                scraped iterations (a scrape sees the last finished iteration: an unbiased sample
+                of them, standing for its span's iterations; ratios of forgotten sums, right from
+                the first scrapes). Per instance, twins came out apart and the cheaper-looking
+                one drew the traffic (RateBook._refresh)
 
 The prefill and decode rates are kept on a grid of 1/16 octave, as the token ratio is
 (tokens.py): a worker that learnt a hair differently (it started later) decides alike.
@@ -248,6 +250,11 @@ class RateBook:
         self.engines: dict[str, EngineRates] = {}
         self._fits: dict[tuple[int, int, int], _Fit3] = {}
         self._shape_rates: dict[tuple[int, int, int], float] = {}  # shape -> prefill_s
+        # shape -> forgotten sums of its instances' busy spans: seconds, iterations, and prompt
+        # tokens (each span's scraped iteration stands for the span's n: instances whose
+        # iterations differ in length weigh by iterations, not by spans). decode_s, as
+        # prefill_s, is the shape's: see _refresh.
+        self._shape_spans: dict[tuple[int, int, int], list[float]] = {}
         self._rates: dict[str, Rates] = {}
 
     def observe(self, iid: str, snap: EngineSnapshot) -> tuple[float, float] | None:
@@ -268,6 +275,12 @@ class RateBook:
             solved = fit.solve()
             if solved is not None:
                 self._shape_rates[shape] = on_grid(max(0.0, solved[1]))
+            sums = self._shape_spans.get(shape)
+            if sums is None:
+                sums = self._shape_spans[shape] = [0.0, 0.0, 0.0]
+            sums[0] = sums[0] * FORGET_FIT + span
+            sums[1] = sums[1] * FORGET_FIT + n
+            sums[2] = sums[2] * FORGET_FIT + c * n
         self._refresh(iid, er)
         return moved
 
@@ -276,8 +289,17 @@ class RateBook:
         if er.iter_s is None or prefill_s is None:
             return  # no seconds before the prefill slope is known (SIGNIFICANCE)
         # An iteration is decode_s plus prefill_s per prompt token it computes: what is left of
-        # the instance's mean iteration once its mean prompt tokens are taken out.
-        decode_s = on_grid(max(er.iter_s - prefill_s * er.ctx_tokens, 0.1 * er.iter_s))
+        # the shape's mean iteration once its mean prompt tokens are taken out. The shape's, not
+        # the instance's: the same engine decodes alike, and an instance's own figure (its mean
+        # iteration less the prompt tokens of the few iterations its scrapes saw) came out apart
+        # from its twin's, by up to a quarter (routing_sim: 13.7 and 17.0 ms for a true 20). On
+        # 64 slots with free ones the estimate is little more than this term and the pending
+        # prefill, and the real twin sent 58-66% of the requests of cells without a shared
+        # prompt to whichever instance looked cheaper (TTFT p90 1.27-1.40 x least-outstanding's;
+        # 0.86-0.99 x with the shape's, 50/50: bench/README.md).
+        span_s, span_n, ctx = self._shape_spans[er.shape]
+        shape_iter_s = span_s / span_n
+        decode_s = on_grid(max(shape_iter_s - prefill_s * ctx / span_n, 0.1 * shape_iter_s))
         self._rates[iid] = Rates(on_grid(er.iter_s), prefill_s, decode_s, er.out_tokens)
 
     def rates(self, iid: str) -> Rates | None:
