@@ -88,11 +88,6 @@ def tagged(state_dir: Path) -> list[psutil.Process]:
     return out
 
 
-# How long a daemon that the harness did not start has to finish exiting before it counts as left
-# running (`down` answers once everything is stopped; the process itself ends a moment later).
-STRAY_DAEMON_EXIT_S = 10.0
-
-
 def daemons(state_dir: Path) -> list[psutil.Process]:
     """Daemons (`up`) serving `state_dir`, however started: one that `upgrade` started carries no
     tag in its environment (what the daemon starts does), only the directory on its command line."""
@@ -230,9 +225,8 @@ class Run:
         if self.proc is not None and self.proc.poll() is None:
             self.down()
         own = self.proc.pid if self.proc is not None else None
+        # (`down` returns once the daemon's process is gone: one still here was not stopped)
         strays = [d for d in daemons(self.state_dir) if d.pid != own]
-        # one told to stop (`down` after `upgrade`) may still be on its way out: not a leak
-        strays = psutil.wait_procs(strays, timeout=STRAY_DAEMON_EXIT_S)[1] if strays else []
         leaked = strays + tagged(self.state_dir)
         for p in leaked:
             try:

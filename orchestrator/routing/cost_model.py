@@ -150,7 +150,7 @@ class EngineRates:
     """One instance: its shape, iteration time, output length and KV writes (module doc)."""
 
     __slots__ = ("last", "slots", "kv_blocks", "block_tokens", "_span_s", "_span_n", "_out", "_fin",
-                 "iter_s", "out_tokens", "_fits_n", "_fits_w", "ctx_tokens", "_ctx", "_busy")
+                 "iter_s", "out_tokens", "_fits_n", "_fits_w")
 
     def __init__(self) -> None:
         self.last: EngineSnapshot | None = None
@@ -162,9 +162,6 @@ class EngineRates:
         self._out = 0.0  # forgotten sums of output tokens and finished requests
         self._fin = 0.0
         self.iter_s: float | None = None
-        self.ctx_tokens = 0.0  # prompt tokens an iteration computes, on average while busy
-        self._ctx = 0.0  # forgotten sums of the scraped busy iterations' context tokens, and of them
-        self._busy = 0.0
         self.out_tokens = PRIOR_OUT_TOKENS
         # How many requests run at once while some wait for KV blocks (forgotten sums): the
         # batch a KV-bound engine really has.
@@ -205,12 +202,7 @@ class EngineRates:
         # freeze while it idles, and the scrape before an idle gap shows active 0).
         if n > 0 and span > 0 and prev.active > 0 and snap.active > 0 and prev.timestamp_us > 0:
             sample = (n, float(prev.context_tokens), span)
-            # The scraped iterations are a sample of all: their mean is the mean (a ratio of
-            # forgotten sums, as iter_s: an average started at 0 took ~100 scrapes to forget its
-            # start, and decode_s was the whole iteration meanwhile).
-            self._ctx = self._ctx * FORGET + prev.context_tokens
-            self._busy = self._busy * FORGET + 1.0
-            self.ctx_tokens = self._ctx / self._busy
+            # A ratio of forgotten sums: an average started at 0 took ~100 scrapes to forget its start.
             self._span_s = self._span_s * FORGET + span
             self._span_n = self._span_n * FORGET + n
             self.iter_s = self._span_s / self._span_n
