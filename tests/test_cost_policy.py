@@ -331,3 +331,26 @@ def test_a_retried_attempts_pick_is_abandoned_not_left_pending():
     timer.events(again.instance_id, 1)
     assert policy._insts[again.instance_id].pending.at(clock.t) == 0
     assert policy.journal.errors.value > 0  # the second pick's estimate met its first token
+
+
+def test_an_attempt_that_ends_without_a_first_token_leaves_nothing_pending():
+    # An error answer, a client gone, a generation that stops before its first event: the
+    # proxy ends the attempt (TokenTimer.attempt_over), and the pick's prefill is not
+    # pending there until its estimate runs out.
+    policy, eng, clock = learnt()
+    metrics = ProxyMetrics()
+    timer = metrics.timer("generate_stream")
+    iid = policy.choose(eng.backends, (), {}, RouteHints.from_prompt("unique long prompt " * 600)).instance_id
+    metrics.route_decision(policy.last_decision, timer)
+    assert policy._insts[iid].pending.at(clock.t) > 10000
+    timer.attempt_over()
+    assert policy._insts[iid].pending.at(clock.t) == 0
+    assert policy.journal.errors.value == 0  # no first token: nothing to learn
+    # an attempt that had its first token is over with nothing left to abandon
+    timer = metrics.timer("generate_stream")
+    iid = policy.choose(eng.backends, (), {}, RouteHints.from_prompt("another prompt " * 600)).instance_id
+    metrics.route_decision(policy.last_decision, timer)
+    timer.events(iid, 1)
+    learnt_error = policy.journal.errors.value
+    timer.attempt_over()
+    assert policy._insts[iid].pending.at(clock.t) == 0 and policy.journal.errors.value == learnt_error > 0

@@ -537,6 +537,8 @@ class EmbeddedProxy:
             finally:
                 balancer.release(iid)
                 gauge.dec()
+                if timer is not None:
+                    timer.attempt_over()
         self.metrics.count(NO_INSTANCE, 502)
         self._log.warning("%s %s: all %d attempt(s) failed, last: %s", method, path, len(tried), why)
         return _error(502, f"all upstream attempts failed ({last})")

@@ -334,12 +334,15 @@ class GrpcProxy:
                         continue
                     await context.abort(code, err.details() or "",
                                         _forwardable(err.trailing_metadata()) or ())
+                else:
+                    self._answered(up)
+                    if timer is not None:
+                        timer.events(iid)
+                    return response
                 finally:
                     self._balancer.release(iid)
-                self._answered(up)
-                if timer is not None:
-                    timer.events(iid)
-                return response
+                    if timer is not None:
+                        timer.attempt_over()
             # Nothing answered. The proxy itself is alive; it is "not ready" when no
             # instance is, which is an answer, not an error, for ServerReady.
             if local_answer is not None:
@@ -420,6 +423,7 @@ class GrpcProxy:
                                     _forwardable(err.trailing_metadata()) or ())
             finally:
                 self._balancer.release(iid)
+                timer.attempt_over()
                 pump.cancel()
                 call.cancel()  # no-op when finished; stops the upstream when the client left
         if last is not None:

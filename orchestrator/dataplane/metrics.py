@@ -346,6 +346,14 @@ class TokenTimer:
         self._children: tuple[Histogram, Histogram, Counter] | None = None
         self.decision: Any = None  # the routing model's pick (ProxyMetrics.route_decision)
 
+    def attempt_over(self) -> None:
+        """The attempt ended (answered, failed, retried or the client left). A pick still
+        waiting for its first token will see none: its prefill is pending there no more."""
+        decision = self.decision
+        if decision is not None:
+            self.decision = None
+            decision.abandoned()
+
     def events(self, instance: str, n: int = 1) -> None:
         if n <= 0:
             return
