@@ -317,19 +317,24 @@ def test_metrics_top_and_recent_show_the_models_picks(monkeypatch):
     assert "ROUTE h/m/s" in out and "80/10/10" in out and "12%" in out
 
 
+def _routed(policy, eng, metrics, timer, prompt: str, tried=()) -> str:
+    """A generation's attempt as the proxy makes it: the pick, then its decision on the timer."""
+    iid = policy.choose(eng.backends, tried, {}, RouteHints.from_prompt(prompt)).instance_id
+    metrics.route_decision(policy.last_decision, timer)
+    return iid
+
+
 def test_a_retried_attempts_pick_is_abandoned_not_left_pending():
     policy, eng, clock = learnt()
     metrics = ProxyMetrics()
     timer = metrics.timer("generate_stream")
-    first = policy.choose(eng.backends, (), {}, RouteHints.from_prompt("unique long prompt " * 600)).instance_id
-    metrics.route_decision(policy.last_decision, timer)
+    first = _routed(policy, eng, metrics, timer, "unique long prompt " * 600)
     assert policy._insts[first].pending.at(clock.t) > 10000
     # that attempt failed: the proxy picks again, elsewhere, for the same generation
-    again = policy.choose(eng.backends, (first,), {}, RouteHints.from_prompt("unique long prompt " * 600))
-    metrics.route_decision(policy.last_decision, timer)
+    again = _routed(policy, eng, metrics, timer, "unique long prompt " * 600, tried=(first,))
     assert policy._insts[first].pending.at(clock.t) == 0  # its prefill will not happen there
-    timer.events(again.instance_id, 1)
-    assert policy._insts[again.instance_id].pending.at(clock.t) == 0
+    timer.events(again, 1)
+    assert policy._insts[again].pending.at(clock.t) == 0
     assert policy.journal.errors.value > 0  # the second pick's estimate met its first token
 
 
@@ -340,16 +345,14 @@ def test_an_attempt_that_ends_without_a_first_token_leaves_nothing_pending():
     policy, eng, clock = learnt()
     metrics = ProxyMetrics()
     timer = metrics.timer("generate_stream")
-    iid = policy.choose(eng.backends, (), {}, RouteHints.from_prompt("unique long prompt " * 600)).instance_id
-    metrics.route_decision(policy.last_decision, timer)
+    iid = _routed(policy, eng, metrics, timer, "unique long prompt " * 600)
     assert policy._insts[iid].pending.at(clock.t) > 10000
     timer.attempt_over()
     assert policy._insts[iid].pending.at(clock.t) == 0
     assert policy.journal.errors.value == 0  # no first token: nothing to learn
     # an attempt that had its first token is over with nothing left to abandon
     timer = metrics.timer("generate_stream")
-    iid = policy.choose(eng.backends, (), {}, RouteHints.from_prompt("another prompt " * 600)).instance_id
-    metrics.route_decision(policy.last_decision, timer)
+    iid = _routed(policy, eng, metrics, timer, "another prompt " * 600)
     timer.events(iid, 1)
     learnt_error = policy.journal.errors.value
     timer.attempt_over()
