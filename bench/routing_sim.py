@@ -434,8 +434,11 @@ def main() -> int:
                       f"cached/reused {r.get('cached_est_over_reused')}  ratio {r.get('tokens_per_char')}  "
                       f"rates {r.get('rates')}")
     v = rc.verdicts(rows)
+    others = {}  # the other prompt-aware policy's verdicts, kept in the JSON beside the default's
     for policy in dict.fromkeys((rc.default_policy(), "cost-model")):
         pv = v if policy == rc.default_policy() else rc.verdicts(rows, policy)
+        if pv and pv is not v:
+            others[f"verdicts_{policy.replace('-', '_')}"] = pv
         if pv:
             print(f"\nverdicts ({policy} vs best of least-outstanding/nginx; vs nginx):")
             print(table(pv, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
@@ -450,7 +453,7 @@ def main() -> int:
     print(f"wall {time.time() - t0:.0f} s")
     result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "jitter": a.jitter, "index": a.index,
               "policy_kw": kw, "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v,
-              "decision_cost": costs, "machine": machine()}
+              **others, "decision_cost": costs, "machine": machine()}
     if reuse:
         result["reused"] = {"from": os.path.basename(a.reuse), "targets": sorted({t for _, t in reuse})}
     if not a.no_write:

@@ -21,7 +21,7 @@ from orchestrator.errors import UsageError
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer, SharedRouting
 from orchestrator.routing.llm_policies import RouteHints
-from orchestrator.routing.prefix_index import chunk_keys
+from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, chunk_keys, recorded
 
 pytestmark = pytest.mark.unit
 
@@ -131,24 +131,24 @@ def keys(prefix: str, n: int) -> list[bytes]:
 def test_prefix_recorded_by_one_worker_matches_in_another(tmp_path):
     clock, a, b = two_workers_index(tmp_path)
     a.record(keys("x", 5), "2")
-    b.record(keys("x", 3), "7")
-    assert b.match(keys("x", 5)) == (5, {"2": 5, "7": 3})
+    b.record(keys("x", 4), "7")
+    assert b.match(keys("x", 5)) == (5, {"2": 5, "7": 4})
     assert a.match(keys("y", 4)) == (4, {})
     b.forget_instance("2")  # it restarted: its cache is gone for every worker
     clock.t += 0.001
-    assert a.match(keys("x", 5)) == (5, {"7": 3})
+    assert a.match(keys("x", 5)) == (5, {"7": 4})
     a.record(keys("x", 2), "2")  # routed there again after the restart
-    assert b.match(keys("x", 5))[1] == {"2": 2, "7": 3}
+    assert b.match(keys("x", 5))[1] == {"2": 2, "7": 4}
 
 
 def test_prefix_recency_is_when_any_worker_last_routed_each_holders_deepest_chunk(tmp_path):
     clock, a, b = two_workers_index(tmp_path)
     a.record(keys("x", 5), "2")
     clock.t += 1
-    b.record(keys("x", 3), "7")
+    b.record(keys("x", 4), "7")
     clock.t += 1
     b.record(keys("x", 2), "2")  # its first two chunks again, through the other worker
-    assert a.match_recency(keys("x", 5)) == (5, {"2": (5, 1000.0), "7": (3, 1001.0)})
+    assert a.match_recency(keys("x", 5)) == (5, {"2": (5, 1000.0), "7": (4, 1001.0)})
     assert a.match_recency(keys("x", 2)) == (2, {"2": (2, 1002.0), "7": (2, 1001.0)})
     assert b.match_recency(keys("y", 2)) == (2, {})
 
@@ -419,19 +419,44 @@ def test_prefix_depths_are_found_by_bisection_as_a_walk_would(tmp_path):
     depth and the time it was last routed its deepest chunk, as reading every chunk would give."""
     clock = Clock()
     idx = SharedPrefixIndex.create(tmp_path / "p", slots=4096, clock=clock)
-    chain = chunk_keys("".join(f"turn {i}: " + "words " * 60 for i in range(40)))[:40]  # digests, as routed
+    text = "".join(f"turn {i}: " + "words " * 60 for i in range(40))
+
+    def chain(n: int) -> list:  # an n-chunk prompt's keys, as the proxy hashes one
+        return chunk_keys(text[:n * DEFAULT_CHUNK_CHARS])
+
     routed = {"0": 40, "1": 17, "2": 1, "4": 26}  # a key keeps 4 holders
-    when = {}
+    records = []  # (instance, chunks, when), in order
     for iid, depth in routed.items():
         clock.t += 1
-        idx.record(chain[:depth], iid)
-        when[iid] = clock.t
+        idx.record(chain(depth), iid)
+        records.append((iid, depth, clock.t))
     clock.t += 1
-    idx.record(chain[:9], "0")  # its first 9 chunks again, later
+    idx.record(chain(9), "0")  # its first 9 chunks again, later
+    records.append(("0", 9, clock.t))
+
+    def walk(n: int) -> dict:
+        """Every recorded position of an n-chunk prompt read in order: each holder's depth is one
+        past the last it holds, its time when that position was last routed to it."""
+        last: dict[str, dict[int, float]] = {}
+        for iid, depth, t in records:
+            for p in recorded(depth):
+                last.setdefault(iid, {})[p] = t
+        out = {}
+        for iid, held in last.items():
+            deepest = None
+            for p in recorded(n):
+                if p not in held:
+                    break
+                deepest = p
+            if deepest is not None:
+                out[iid] = (deepest + 1, held[deepest])
+        return out
+
     for n in (40, 30, 17, 12, 9, 2, 1):
-        expect = {iid: (min(n, d), clock.t if iid == "0" and min(n, d) <= 9 else when[iid])
-                  for iid, d in routed.items()}
-        assert idx.match_recency(chain[:n]) == (n, expect)
+        assert idx.match_recency(chain(n)) == (n, walk(n))
+    # a prefix is found at the deepest position both prompts record: instance 1 was routed 17
+    # chunks, a 30-chunk prompt sharing them reads positions 0, 1, 3, 7, 15, 23, 29
+    assert walk(30)["1"][0] == 16 and walk(17)["1"][0] == 17
     assert idx.match_recency(keys("other", 5)) == (5, {})
     assert idx.match_recency([]) == (0, {})
 

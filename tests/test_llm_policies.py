@@ -11,6 +11,7 @@ import pytest
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints, loads, requests
+from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.routing.prefix_index import PrefixIndex, chunk_keys
 from orchestrator.routing.prompt import prompt_of_grpc, prompt_of_json
 
@@ -228,15 +229,31 @@ def test_no_cached_prefix_still_counts_work_we_did_not_send():
 
 def test_index_is_bounded_and_ages_out():
     t = [0.0]
-    index = PrefixIndex(max_chunks=10, ttl_s=5, clock=lambda: t[0])
+    index = PrefixIndex(max_chunks=6, ttl_s=5, clock=lambda: t[0])
     keys = chunk_keys("x" * 256 * 8)
-    index.record(keys, "0")
+    index.record(keys, "0")  # 4 keys: 8 chunks are recorded at 1, 2, 4 and 8 (prefix_index.recorded)
     assert index.match(keys) == (8, {"0": 8})
     index.record(chunk_keys("y" * 256 * 8), "1")
-    assert len(index) == 10  # oldest keys of the first prompt evicted
+    assert len(index) == 6  # oldest keys of the first prompt evicted
     assert index.match(keys)[1] == {}  # its first chunk went: the chain is broken
     t[0] = 10.0
     assert index.match(chunk_keys("y" * 256 * 8))[1] == {}  # aged out
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["in-process", "shared"])
+def test_a_prefix_is_found_at_the_deepest_position_both_prompts_record(shared, tmp_path):
+    index = SharedPrefixIndex.create(tmp_path / "p", slots=4096) if shared else PrefixIndex()
+    text = "".join(f"line {i}: " + "words " * 60 for i in range(64))
+    routed = chunk_keys(text[:20 * 256])  # 20 chunks: positions 0, 1, 3, 7, 15 and 19 digested
+    assert [p for p, k in enumerate(routed) if k is not None] == [0, 1, 3, 7, 15, 19]
+    index.record(routed, "3")
+    assert index.match(routed) == (20, {"3": 20})  # the same prompt: whole
+    # A longer prompt sharing those 20 chunks reads 0, 1, 3, 7, 15, 23, 31, ...: 16 found (the
+    # price of writing 6 keys, not 20), a shorter one its own last position 11 is not recorded: 8.
+    assert index.match(chunk_keys(text))[1] == {"3": 16}
+    assert index.match(chunk_keys(text[:12 * 256]))[1] == {"3": 8}
+    # the keys digested are the chain's, whatever the prompt's length
+    assert chunk_keys(text)[15] == routed[15] and chunk_keys(text)[19] is None
 
 
 def test_chunk_keys_are_a_chain():

@@ -28,11 +28,11 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from orchestrator.dataplane.shared_table import MAX_INSTANCES, TableError, instance_index
-from orchestrator.routing.prefix_index import DEFAULT_TTL_S
+from orchestrator.routing.prefix_index import DEFAULT_TTL_S, recorded
 
 MAGIC = 0x7472746C6C707831  # "trtllpx1"
 LAYOUT_VERSION = 1
@@ -114,21 +114,22 @@ class SharedPrefixIndex:
         self._mm.close()
 
     # --- the PrefixIndex interface ------------------------------------------------------
-    def match(self, keys: list[bytes]) -> tuple[int, dict[str, int]]:
+    def match(self, keys: Sequence[bytes | None]) -> tuple[int, dict[str, int]]:
         """For each instance, how many leading chunks of `keys` it holds (0 entries omitted)."""
         n, found = self.match_recency(keys)
         return n, {iid: depth for iid, (depth, _) in found.items()}
 
-    def match_recency(self, keys: list[bytes]) -> tuple[int, dict[str, tuple[int, float]]]:
+    def match_recency(self, keys: Sequence[bytes | None]) -> tuple[int, dict[str, tuple[int, float]]]:
         """As `match`, with when each instance was last routed its deepest matched chunk (by any
         worker): how long its engine has had to evict it since (routing/eviction.py).
 
-        A holder of a chunk was routed every chunk before it at the same time (keys are a chain,
-        and `record` writes them all), so each instance's depth is found by bisection, not by
-        reading every chunk: the first and the last chunk, then ~log2(chunks) in between
-        (a 2150-character prompt: 2-4 slots read instead of 8; 64 chunks: ~8 instead of 64). A
-        chunk this table lost in between (evicted from a full neighbourhood) does not cut the
-        chain as a linear walk would: the engine was routed it all the same."""
+        Only the chunk positions `recorded` are stored and read. A holder of one was routed every
+        one before it at the same time (keys are a chain, and `record` writes them all), so each
+        instance's depth is found by bisection over them, not by reading each: the first and the
+        last chunk, then ~log2 in between (a 2150-character prompt: 2-3 slots read of its 4
+        recorded; 64 chunks: ~5 of 11). A key this table lost in between (evicted from a full
+        neighbourhood) does not cut the chain as a linear walk would: the engine was routed it
+        all the same."""
         n = len(keys)
         if not n:
             return 0, {}
@@ -142,27 +143,29 @@ class SharedPrefixIndex:
         last = holders(keys[-1], oldest)
         found: dict[str, tuple[int, float]] = {}
         seen: dict[int, dict[int, float]] | None = None
+        positions = None
         for idx in first:
             if idx in last:
                 found[str(idx)] = (n, last[idx])
                 continue
             if seen is None:  # slots read once for every instance's bisection
-                seen = {0: first, n - 1: last}
-            lo, hi = 0, n - 1  # it holds chunk lo, not chunk hi
+                positions = recorded(n)
+                seen = {0: first, len(positions) - 1: last}
+            lo, hi = 0, len(positions) - 1  # it holds position lo, not position hi (indices)
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
                 at = seen.get(mid)
                 if at is None:
-                    at = seen[mid] = holders(keys[mid], oldest)
+                    at = seen[mid] = holders(keys[positions[mid]], oldest)
                 if idx in at:
                     lo = mid
                 else:
                     hi = mid
-            found[str(idx)] = (lo + 1, seen[lo][idx])
+            found[str(idx)] = (positions[lo] + 1, seen[lo][idx])
         return n, found
 
-    def record(self, keys: list[bytes], instance_id: str) -> None:
-        """`keys` were routed to the instance now. A key this worker wrote for the same instance
+    def record(self, keys: Sequence[bytes | None], instance_id: str) -> None:
+        """`keys` were routed to the instance now (those at the positions `recorded`). A key this worker wrote for the same instance
         less than REWRITE_S ago is not written again: a hot prefix is routed hundreds of times a
         second, and the times it would refresh serve the TTL (minutes) and the eviction verdict
         (scrapes 100 ms apart)."""
@@ -178,14 +181,15 @@ class SharedPrefixIndex:
         mask = self._mask
         start_of = _START.unpack_from
         ids_of = _HOLDER_IDS.unpack_from
-        for key in keys:
+        for p in recorded(len(keys)):
+            key = keys[p]
             mine = written.get(key)
             if mine is not None and mine[0] == idx and mine[1] > since and mine[1] > void:
                 continue
             written[key] = (idx, now)
             if len(key) != KEY_BYTES or key == _EMPTY_KEY:
                 key = _key16(key)
-            # The common case inline (64 keys of a long prompt): the key in its first slot,
+            # The common case inline (a 64-chunk prompt's 11 keys): the key in its first slot,
             # the instance among its holders: one time to write (the holder ids and the key
             # read, not the whole slot).
             off = _SLOTS_OFF + (start_of(key)[0] & mask) * SLOT_SIZE

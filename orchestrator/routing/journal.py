@@ -21,9 +21,10 @@ import heapq
 import math
 from bisect import bisect_right
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from orchestrator.routing.cost_model import FORGET, on_grid
-from orchestrator.routing.prefix_index import DEFAULT_MAX_CHUNKS
+from orchestrator.routing.prefix_index import DEFAULT_MAX_CHUNKS, recorded
 from orchestrator.routing.tokens import PromptStats
 
 
@@ -43,10 +44,12 @@ class WriteLog:
         # chunk key -> when it was last routed here; as many keys as a PrefixIndex holds
         self._seen: OrderedDict[bytes, float] = OrderedDict()
 
-    def touch(self, keys: list[bytes], at: float) -> None:
-        """A prompt of these chunk keys was routed here at `at`."""
+    def touch(self, keys: Sequence[bytes | None], at: float) -> None:
+        """A prompt of these chunk keys was routed here at `at` (those at the positions the
+        indexes read: prefix_index.recorded)."""
         seen = self._seen
-        for key in keys:
+        for p in recorded(len(keys)):
+            key = keys[p]
             if key in seen:
                 seen.move_to_end(key)
             seen[key] = at

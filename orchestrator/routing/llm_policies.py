@@ -110,7 +110,7 @@ ROUTE_KINDS = {"hit": "hit", "miss": "miss", "spill": "spill",
 class RouteHints:
     """What a policy may know about the request; built by the proxy, only when the policy wants it."""
 
-    prompt_keys: tuple[bytes, ...] = ()
+    prompt_keys: tuple[bytes | None, ...] = ()  # prefix_index.chunk_keys: None where no index reads
     prompt_chars: int = 0  # the prompt's length as read (prompt.MAX_PROMPT_CHARS at most)
     # A checksum of the prompt's head (its first chunk): where estimates tie, every worker
     # breaks the tie alike, and a prompt's tenants land together (cost_policy.py).

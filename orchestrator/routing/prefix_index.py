@@ -9,7 +9,8 @@ them cached there.
 Approximate on purpose: characters stand in for tokens (the proxy has no
 tokenizer), an engine may have evicted what we recorded, and an instance that
 restarts loses everything (`forget_instance`). Memory is bounded (LRU over chunk
-keys) and entries age out after `ttl_s`.
+keys) and entries age out after `ttl_s`. Only some chunk positions are recorded and
+read (`recorded`): a prefix is found at the deepest of them it shares.
 """
 
 from __future__ import annotations
@@ -17,21 +18,57 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 DEFAULT_CHUNK_CHARS = 256  # ~64 tokens: a few KV blocks of 16-32 tokens
 DEFAULT_MAX_CHUNKS = 65536
 DEFAULT_TTL_S = 600.0
+# The indexes record and look up a prompt's chain at some chunk positions only (`recorded`):
+# its first 1, 2, 4 and 8 chunks, then every RECORD_STRIDE chunks, and the whole prompt. A
+# record is a shared-memory write per key on the request path: a 64-chunk prompt (16k
+# characters) wrote 64 keys, about two thirds of its routing decision (bench/decision_cost.py),
+# and writes 11 now. The price: a prefix shared beyond 8 chunks but not whole is found up to
+# RECORD_STRIDE - 1 chunks short (2048 characters, ~500 tokens), never longer than it is.
+RECORD_STRIDE = 8
+_RECORDED: dict[int, tuple[int, ...]] = {}
 
 
-def chunk_keys(prompt: str, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: int = 64) -> list[bytes]:
+def recorded(n: int) -> tuple[int, ...]:
+    """The 0-based chunk positions of an n-chunk prompt that the indexes record and match, in
+    order. Every prompt records the same positions below its own length, so a holder of one of
+    them was routed every one before it (the matchers rely on it), and the last position is the
+    whole prompt: a prompt seen before matches whole."""
+    positions = _RECORDED.get(n)
+    if positions is None:
+        marks = {p - 1 for p in range(RECORD_STRIDE, n + 1, RECORD_STRIDE)}
+        k = 1
+        while k <= min(n, RECORD_STRIDE):
+            marks.add(k - 1)
+            k *= 2
+        if n:
+            marks.add(n - 1)
+        positions = tuple(sorted(marks))
+        if len(_RECORDED) < 4096:  # prompts have at most 64 chunks (chunk_keys): a few dozen lengths
+            _RECORDED[n] = positions
+    return positions
+
+
+def chunk_keys(prompt: str, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: int = 64) -> list[bytes | None]:
     """Chained keys of the prompt's full leading chunks (a partial last chunk is not cached
-    as a full block by the engine either)."""
-    keys: list[bytes] = []
+    as a full block by the engine either): one per chunk, the key of chunk i covering chunks
+    0..i. Only the positions the indexes read (`recorded`) are digested, the others are None:
+    the proxy hashes every prompt once per request, and a 64-chunk prompt's 64 digests cost
+    about as much as hashing its text (64 -> 37 us for 16k characters on the 2-core box)."""
+    n = min(len(prompt) // chunk_chars, max_chunks)
+    keys: list[bytes | None] = [None] * n
     h = hashlib.blake2b(digest_size=16)
-    for i in range(min(len(prompt) // chunk_chars, max_chunks)):
-        h.update(prompt[i * chunk_chars:(i + 1) * chunk_chars].encode("utf-8", "surrogatepass"))
-        keys.append(h.copy().digest())
+    done = 0
+    for p in recorded(n):
+        end = (p + 1) * chunk_chars
+        # UTF-8 encodes code point by code point: the slices' bytes chain as the whole text's
+        h.update(prompt[done:end].encode("utf-8", "surrogatepass"))
+        done = end
+        keys[p] = h.copy().digest()
     return keys
 
 
@@ -47,21 +84,21 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def match(self, keys: list[bytes]) -> tuple[int, dict[str, int]]:
+    def match(self, keys: Sequence[bytes | None]) -> tuple[int, dict[str, int]]:
         """For each instance, how many leading chunks of `keys` it holds (0 entries omitted)."""
         n, found = self.match_recency(keys)
         return n, {iid: depth for iid, (depth, _) in found.items()}
 
-    def match_recency(self, keys: list[bytes]) -> tuple[int, dict[str, tuple[int, float]]]:
+    def match_recency(self, keys: Sequence[bytes | None]) -> tuple[int, dict[str, tuple[int, float]]]:
         """As `match`, with the time each instance was last routed its deepest matched chunk:
         how long its engine has had to evict it since (routing/cost_policy.py)."""
         oldest = self._clock() - self.ttl_s
         found: dict[str, tuple[int, float]] = {}
         alive: dict[str, float] = {}
         get = self._holders.get
-        n = 0
-        for key in keys:
-            holders = get(key)
+        n = 0  # chunks matched: one past the last recorded position every alive holder has
+        for p in recorded(len(keys)):
+            holders = get(keys[p])
             if not holders:
                 break
             if n == 0:
@@ -76,15 +113,16 @@ class PrefixIndex:
                 alive = now_alive
                 break
             alive = now_alive
-            n += 1
+            n = p + 1
         for iid, t in alive.items():
             found[iid] = (n, t)
         return len(keys), found
 
-    def record(self, keys: list[bytes], instance_id: str) -> None:
+    def record(self, keys: Sequence[bytes | None], instance_id: str) -> None:
         now = self._clock()
         holders_of = self._holders
-        for key in keys:
+        for p in recorded(len(keys)):
+            key = keys[p]
             holders = holders_of.get(key)
             if holders is None:
                 holders_of[key] = {instance_id: now}
