@@ -36,6 +36,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from bench.common import pct
+
 PREFIX_TOKENS = 2048
 BLOCK = 64
 DECODE_MS = 20.0
@@ -215,9 +217,34 @@ def default_policy() -> str:
     return next(f.default for f in dataclasses.fields(Settings) if f.name == "lb_policy")
 
 
+# A row's TTFTs (ms) per seed, where the simulator kept them: the seeds are paired across targets
+# (a seed is the same arrivals and prompts for every target), so the verdict can say how far the
+# seeds' spread alone moves it.
+SEED_TTFTS = "_ttft_ms_by_seed"
+RESAMPLES = 400
+
+
+def ratio_interval(default: list[list[float]], baselines: list[list[list[float]]],
+                   rng: random.Random, resamples: int = RESAMPLES) -> tuple[float, float]:
+    """90% bootstrap interval of TTFT p90 (default / the best baseline), seeds resampled with
+    replacement, the same seeds for every target (paired): each resample pools the drawn seeds'
+    requests, as the point estimate pools them all."""
+    k = len(default)
+    ratios = []
+    for _ in range(resamples):
+        pick = [rng.randrange(k) for _ in range(k)]
+        d = pct([x for i in pick for x in default[i]], 90)
+        best = min(pct([x for i in pick for x in b[i]], 90) for b in baselines)
+        ratios.append(d / best if d is not None and best else math.inf)
+    ratios.sort()
+    return ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]
+
+
 def verdicts(rows: list[dict[str, Any]], default: str | None = None) -> list[dict[str, Any]]:
     """Per cell: `default` (the product's default policy unless named) against the best of
-    least-outstanding and nginx (issue 24's goals)."""
+    least-outstanding and nginx (issue 24's goals). Where the rows carry their TTFTs per seed
+    (routing_sim), also the 90% interval of the TTFT ratio over the seeds (`ratio_interval`) and
+    whether a miss is beyond that noise (`beyond_noise`: even the interval's low end above 1.03)."""
     default = default or default_policy()
     by_cell: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
@@ -235,5 +262,9 @@ def verdicts(rows: list[dict[str, Any]], default: str | None = None) -> list[dic
                "ttft_p90_vs_nginx": round(d["ttft_p90_ms"] / ngx["ttft_p90_ms"], 3),
                "tok_s_vs_nginx": round(d["out_tok_s"] / ngx["out_tok_s"], 3)}
         row["no_worse"] = row["ttft_p90_vs_best"] <= 1.03 and row["tok_s_vs_best"] >= 0.97
+        if SEED_TTFTS in d and all(SEED_TTFTS in b for b in base) and len(d[SEED_TTFTS]) > 1:
+            lo, hi = ratio_interval(d[SEED_TTFTS], [b[SEED_TTFTS] for b in base], random.Random(name))
+            row["ttft_p90_vs_best_ci90"] = [round(lo, 3), round(hi, 3)]
+            row["beyond_noise"] = not row["no_worse"] and (lo > 1.03 or row["tok_s_vs_best"] < 0.97)
         out.append(row)
     return out

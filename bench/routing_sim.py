@@ -132,14 +132,19 @@ def simulate(cell: rc.Cell, target: str, seconds: float, seeds: tuple[int, ...] 
     decide_s: list[float] = []
     tokens = 0
     router = None
+    by_seed: list[list[float]] = []
     for seed in seeds:
         r, t, why, dec, router = _one_seed(cell, target, seconds, seed, policy_kw, jitter, index)
         recs += r
+        by_seed.append([x["ttft"] * 1000 for x in r])
         tokens += t
         for k, v in why.items():
             reasons[k] = reasons.get(k, 0) + v
         decide_s += dec
-    return summarize(cell, target, seconds * len(seeds), recs, tokens, reasons, decide_s, router)
+    out = summarize(cell, target, seconds * len(seeds), recs, tokens, reasons, decide_s, router)
+    out["ttft_p90_by_seed"] = [pct(x, 90) for x in by_seed]
+    out[rc.SEED_TTFTS] = by_seed  # for the verdicts' interval (routing_cells.verdicts); not written
+    return out
 
 
 def _one_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy_kw: dict | None, jitter: float = 0.0,
@@ -442,7 +447,7 @@ def main() -> int:
         if pv:
             print(f"\nverdicts ({policy} vs best of least-outstanding/nginx; vs nginx):")
             print(table(pv, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
-                             "no_worse"]))
+                             "no_worse", "ttft_p90_vs_best_ci90", "beyond_noise"]))
             print(f"{policy}: no worse in {sum(r['no_worse'] for r in pv)}/{len(pv)} cells")
     # bench/decision_cost.py's busy tenant case, for the record of this run's machine
     costs = [measure(p, int(n), "tenant", "busy") for p in ("prefix-affinity", "cost-model")
@@ -451,6 +456,11 @@ def main() -> int:
         print(f"{c['policy']} decision among {c['instances']} instances: {c['us']} us per Balancer.pick "
               f"(+ {c['hints_us']} us to hash the prompt's {c['keys']} chunks)")
     print(f"wall {time.time() - t0:.0f} s")
+    beyond = [r["cell"] for r in v if r.get("beyond_noise")]
+    print(f"{rc.default_policy()}: misses beyond the seeds' noise (90% interval above 1.03): "
+          f"{len(beyond)} {beyond}")
+    for r in rows:
+        r.pop(rc.SEED_TTFTS, None)
     result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "jitter": a.jitter, "index": a.index,
               "policy_kw": kw, "cells": [c.name for c in cs], "targets": targets, "rows": rows, "verdicts": v,
               **others, "decision_cost": costs, "machine": machine()}

@@ -1,0 +1,56 @@
+"""The routing matrix's verdicts (bench/routing_cells.verdicts): the default against the best of
+least-outstanding and NGINX, and how far the seeds' spread alone moves that ratio."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench import routing_cells as rc
+
+pytestmark = pytest.mark.unit
+
+
+def _row(target: str, seeds: list[list[float]], tok_s: float = 100.0) -> dict:
+    pooled = sorted(x for s in seeds for x in s)
+    return {"cell": "c", "target": target, "ttft_p90_ms": rc.pct(pooled, 90), "out_tok_s": tok_s,
+            rc.SEED_TTFTS: seeds}
+
+
+def _seeds(rng: random.Random, scale: float, k: int = 6, n: int = 300) -> list[list[float]]:
+    # each seed its own load level (another arrival sequence), as the simulator's seeds are
+    return [[rng.expovariate(1.0) * 100 * scale * (1 + 0.4 * (i % 3)) for _ in range(n)] for i in range(k)]
+
+
+def test_a_default_alike_the_baselines_is_no_worse_and_its_interval_holds_one():
+    same = _seeds(random.Random(1), 1.0)
+    rows = [_row("prefix-affinity", same), _row("least-outstanding", same), _row("nginx", same)]
+    (v,) = rc.verdicts(rows, "prefix-affinity")
+    assert v["no_worse"] and v["ttft_p90_vs_best"] == 1.0
+    lo, hi = v["ttft_p90_vs_best_ci90"]
+    assert lo <= 1.0 <= hi and not v["beyond_noise"]
+
+
+def test_a_default_slower_on_every_seed_is_a_miss_beyond_the_noise():
+    base = _seeds(random.Random(2), 1.0)
+    slow = [[x * 1.5 for x in s] for s in base]
+    rows = [_row("prefix-affinity", slow), _row("least-outstanding", base), _row("nginx", _seeds(random.Random(3), 1.1))]
+    (v,) = rc.verdicts(rows, "prefix-affinity")
+    assert not v["no_worse"] and v["ttft_p90_vs_best_ci90"][0] > 1.03 and v["beyond_noise"]
+
+
+def test_a_miss_carried_by_one_seed_is_within_the_noise():
+    base = _seeds(random.Random(4), 1.0)
+    # one seed's run went badly (its tail three times longer), the other five as the baselines'
+    lucky = [s if i else [x * 3 for x in s] for i, s in enumerate(base)]
+    rows = [_row("prefix-affinity", lucky), _row("least-outstanding", base), _row("nginx", base)]
+    (v,) = rc.verdicts(rows, "prefix-affinity")
+    assert not v["no_worse"] and v["ttft_p90_vs_best_ci90"][0] <= 1.03 and not v["beyond_noise"]
+
+
+def test_rows_without_seeds_get_the_verdict_alone():
+    rows = [{"cell": "c", "target": t, "ttft_p90_ms": 100.0, "out_tok_s": 10.0}
+            for t in ("prefix-affinity", "least-outstanding", "nginx")]
+    (v,) = rc.verdicts(rows, "prefix-affinity")
+    assert v["no_worse"] and "ttft_p90_vs_best_ci90" not in v and "beyond_noise" not in v
