@@ -165,10 +165,10 @@ class SharedPrefixIndex:
         return n, found
 
     def record(self, keys: Sequence[bytes | None], instance_id: str) -> None:
-        """`keys` were routed to the instance now (those at the positions `recorded`). A key this worker wrote for the same instance
-        less than REWRITE_S ago is not written again: a hot prefix is routed hundreds of times a
-        second, and the times it would refresh serve the TTL (minutes) and the eviction verdict
-        (scrapes 100 ms apart)."""
+        """`keys` were routed to the instance now (those at the positions `recorded` are written).
+        A key this worker wrote for the same instance less than REWRITE_S ago is not written
+        again: a hot prefix is routed hundreds of times a second, and the times it would refresh
+        serve the TTL (minutes) and the eviction verdict (scrapes 100 ms apart)."""
         idx = instance_index(instance_id)
         ident = idx + 1
         now = self._clock()

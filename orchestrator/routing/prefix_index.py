@@ -27,8 +27,9 @@ DEFAULT_TTL_S = 600.0
 # its first 1, 2, 4 and 8 chunks, then every RECORD_STRIDE chunks, and the whole prompt. A
 # record is a shared-memory write per key on the request path: a 64-chunk prompt (16k
 # characters) wrote 64 keys, about two thirds of its routing decision (bench/decision_cost.py),
-# and writes 11 now. The price: a prefix shared beyond 8 chunks but not whole is found up to
-# RECORD_STRIDE - 1 chunks short (2048 characters, ~500 tokens), never longer than it is.
+# and writes 11 now. The price: a prefix shared in part is found at the deepest recorded position
+# it covers, never deeper: up to 3 chunks short within the first 8, up to RECORD_STRIDE - 1 (1792
+# characters, ~450 tokens) beyond. bench/README.md (decision_cost) has what it bought and cost.
 RECORD_STRIDE = 8
 _RECORDED: dict[int, tuple[int, ...]] = {}
 
