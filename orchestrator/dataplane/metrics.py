@@ -169,9 +169,7 @@ class ProxyMetrics:
         its prefill will not happen there."""
         if decision is None:
             return
-        earlier = timer.decision
-        if earlier is not None:
-            earlier.abandoned()
+        timer.attempt_over()
         iid = decision.instance
         children = self._route_children.get(iid)
         if children is None:

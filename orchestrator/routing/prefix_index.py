@@ -19,6 +19,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 DEFAULT_CHUNK_CHARS = 256  # ~64 tokens: a few KV blocks of 16-32 tokens
 DEFAULT_MAX_CHUNKS = 65536
@@ -31,27 +32,22 @@ DEFAULT_TTL_S = 600.0
 # it covers, never deeper: up to 3 chunks short within the first 8, up to RECORD_STRIDE - 1 (1792
 # characters, ~450 tokens) beyond. bench/README.md (decision_cost) has what it bought and cost.
 RECORD_STRIDE = 8
-_RECORDED: dict[int, tuple[int, ...]] = {}
 
 
+@lru_cache(maxsize=4096)  # prompts have at most 64 chunks (chunk_keys): a few dozen lengths
 def recorded(n: int) -> tuple[int, ...]:
     """The 0-based chunk positions of an n-chunk prompt that the indexes record and match, in
     order. Every prompt records the same positions below its own length, so a holder of one of
     them was routed every one before it (the matchers rely on it), and the last position is the
     whole prompt: a prompt seen before matches whole."""
-    positions = _RECORDED.get(n)
-    if positions is None:
-        marks = {p - 1 for p in range(RECORD_STRIDE, n + 1, RECORD_STRIDE)}
-        k = 1
-        while k <= min(n, RECORD_STRIDE):
-            marks.add(k - 1)
-            k *= 2
-        if n:
-            marks.add(n - 1)
-        positions = tuple(sorted(marks))
-        if len(_RECORDED) < 4096:  # prompts have at most 64 chunks (chunk_keys): a few dozen lengths
-            _RECORDED[n] = positions
-    return positions
+    marks = {p - 1 for p in range(RECORD_STRIDE, n + 1, RECORD_STRIDE)}
+    k = 1
+    while k <= min(n, RECORD_STRIDE):
+        marks.add(k - 1)
+        k *= 2
+    if n:
+        marks.add(n - 1)
+    return tuple(sorted(marks))
 
 
 def chunk_keys(prompt: str, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: int = 64) -> list[bytes | None]:
