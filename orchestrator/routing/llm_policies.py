@@ -413,13 +413,16 @@ class PrefixAffinity(_LoadAware):
                 if within and _stands_idle(candidates, requests_at, now):
                     within = [b for b in within if not _waiting_for_kv(b, now)]
                     spill = "prefix-kv-wait"
-                if within:
-                    kept = _worth_a_slot(within, candidates, depth, len(keys), requests_at, now)
-                    if not kept:
+                deepest = max(depth[b.instance_id] for b in within) if within else 0
+                # Only the deepest can be chosen: where they hold half of the prompt (every
+                # tenant's prompt), no holder worth passing over can change the choice.
+                if deepest and deepest < FULL_HOLDER_MIN_SHARE * len(keys):
+                    within = _worth_a_slot(within, candidates, depth, len(keys), requests_at, now)
+                    if within:
+                        deepest = max(depth[b.instance_id] for b in within)
+                    else:
                         spill = "prefix-full"
-                    within = kept
                 if within:
-                    deepest = max(depth[b.instance_id] for b in within)
                     chosen = _least([b for b in within if depth[b.instance_id] == deepest], requests_at, self._turns)
                     self.last_reason = "prefix"
                 else:
