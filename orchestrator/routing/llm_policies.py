@@ -108,8 +108,9 @@ DEFAULT_SLACK = 12.0
 # waits there for a running request to end to save the prefill of a part of its prompt. A
 # tenant's prompt (its prefix + a question shorter than a chunk) is held whole and is never
 # passed over for it. bench/routing_sim.py, the 8-slot chat cells x 6 seeds: s8/room4/chat/closed
-# 1.076 -> 1.007 x the best baseline's TTFT p90 with 0.5; 0.34 and 1.0 did the same within 1%:
-# what matters is that a share of the prompt is new, not how much (bench/README.md).
+# 1.076 -> 1.007 x the best baseline's TTFT p90 with 0.5 (on the real twin 1.07 -> 0.99 x); 0.34
+# and 1.0 did the same within 1%: what matters is that a share of the prompt is new, not how much
+# (bench/README.md).
 FULL_HOLDER_MIN_SHARE = 0.5
 
 
