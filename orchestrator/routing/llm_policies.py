@@ -272,10 +272,15 @@ def requests(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
     return _counted(backends, inflight, now, history)[0]
 
 
+def _fresh(b: Backend, now: float) -> EngineSnapshot | None:
+    """The instance's engine snapshot if fresh enough to route on (EngineView.fresh), else None."""
+    return b.engine.fresh(now) if b.engine is not None else None
+
+
 def _waiting_for_kv(b: Backend, now: float) -> int | None:
     """Requests the instance's engine holds back for KV blocks (TRT-LLM's `waiting`: active, not
     scheduled) in its last snapshot; None when it has no fresh one."""
-    snap = b.engine.fresh(now) if b.engine is not None else None
+    snap = _fresh(b, now)
     return snap.waiting if snap is not None else None
 
 
@@ -291,18 +296,18 @@ def _stands_idle(candidates: Sequence[Backend], requests_at: Mapping[str, float]
 def _full(b: Backend, requests_at: Mapping[str, float], now: float) -> bool:
     """Whether every batch slot of the instance's engine is taken (ours + foreign against its
     `max_active`, by a fresh snapshot; not known: not full)."""
-    snap = b.engine.fresh(now) if b.engine is not None else None
+    snap = _fresh(b, now)
     return snap is not None and snap.max_active > 0 and requests_at[b.instance_id] >= snap.max_active
 
 
-def _worth_a_slot(within: list[Backend], candidates: Sequence[Backend], depth: Mapping[str, int], chunks: int,
-                  requests_at: Mapping[str, float], now: float) -> list[Backend]:
-    """`within` less the holders that are full and hold less than FULL_HOLDER_MIN_SHARE of the
-    prompt's `chunks`, where another candidate has a free slot (else `within` as it is)."""
-    thin = [b for b in within if depth[b.instance_id] < FULL_HOLDER_MIN_SHARE * chunks and _full(b, requests_at, now)]
-    if not thin or all(_full(b, requests_at, now) for b in candidates):
+def _worth_a_slot(within: list[Backend], candidates: Sequence[Backend], requests_at: Mapping[str, float],
+                  now: float) -> list[Backend]:
+    """`within` (holders of less than FULL_HOLDER_MIN_SHARE of the prompt: the caller's test) less
+    those that are full, where another candidate has a free slot (else `within` as it is)."""
+    full = [b for b in within if _full(b, requests_at, now)]
+    if not full or not any(b not in full and not _full(b, requests_at, now) for b in candidates):
         return within
-    return [b for b in within if b not in thin]
+    return [b for b in within if b not in full]
 
 
 def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "_Turns") -> Backend:
@@ -416,9 +421,10 @@ class PrefixAffinity(_LoadAware):
                     spill = "prefix-kv-wait"
                 deepest = max(depth[b.instance_id] for b in within) if within else 0
                 # Only the deepest can be chosen: where they hold half of the prompt (every
-                # tenant's prompt), no holder worth passing over can change the choice.
+                # tenant's prompt), no holder worth passing over can change the choice; where
+                # they do not, no holder within does.
                 if deepest and deepest < FULL_HOLDER_MIN_SHARE * len(keys):
-                    within = _worth_a_slot(within, candidates, depth, len(keys), requests_at, now)
+                    within = _worth_a_slot(within, candidates, requests_at, now)
                     if within:
                         deepest = max(depth[b.instance_id] for b in within)
                     else:
