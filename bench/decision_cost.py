@@ -41,6 +41,9 @@ PROMPTS = ("tenant", "long")
 WORKER_ROWS = 4
 ROUNDS = 5
 DECISIONS = 2000
+# A snapshot reaches a worker after the daemon took it (a scrape, then the feed's hop over a unix
+# socket): its time is this much before the worker's clock when the worker's view is told of it.
+FEED_DELAY_S = 0.0005
 
 
 def prompts(kind: str, n: int, rng: random.Random) -> list[str]:
@@ -85,10 +88,11 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
 
     def scrape() -> None:
         """Every engine's next snapshot: 5 iterations of 20 ms since the last, 2000 prompt tokens
-        in every other scrape, as a busy engine's; fed to the views as the worker's feed does."""
+        in every other scrape, as a busy engine's; fed to the views as the worker's feed does,
+        FEED_DELAY_S after it was taken."""
         k = state["k"]
         for i, v in enumerate(views):
-            v.update(EngineSnapshot(at=now[0], active=6, max_active=8, scheduled=6, kv_max=256, kv_used=100,
+            v.update(EngineSnapshot(at=now[0] - FEED_DELAY_S, active=6, max_active=8, scheduled=6, kv_max=256, kv_used=100,
                                     tokens_per_block=64, iteration=float(5 * k + i),
                                     timestamp_us=int(state["ts"] * 1e6), context_tokens=2000 * (k % 2),
                                     finished=3 * k, input_tokens=6300 * k, output_tokens=60 * k, kv_reused=40 * k))

@@ -111,6 +111,48 @@ def test_samples_are_kept_for_a_window_and_older_routings_get_a_lower_bound():
     assert w.gone(-1000.0)
 
 
+def first_scrape_after_verdict(scrapes, routed_at):
+    """The verdict as the module doc states it, read off the scrapes directly: from the first scrape
+    after the routing, the engine finished as many requests as it runs and computed its free pool."""
+    tpb = TPB
+    after = [s for s in scrapes if s.at > routed_at]
+    if not after:
+        return False
+    since, last = after[0], scrapes[-1]
+    window = (last.input_tokens - scrapes[0].input_tokens) / tpb
+    hit = min(1.0, (last.kv_reused - scrapes[0].kv_reused) / window) if window > 0 else 0.0
+    running = last.scheduled if last.waiting > 0 and last.scheduled > 0 else last.max_active
+    if last.finished - since.finished < max(1, running):
+        return False
+    computed = (last.input_tokens - since.input_tokens) / tpb * (1 - hit) + \
+        (last.output_tokens - since.output_tokens) / tpb
+    return computed >= max(1, last.kv_free)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_verdict_worked_out_per_scrape_is_the_first_scrape_after_verdict_for_every_routing_time(seed):
+    # `gone` compares with one cutoff found at each scrape; it must answer as judging from the
+    # first scrape after the routing does, for a routing between any two scrapes, on engines
+    # that finish, compute and reuse at random rates.
+    rng = random.Random(seed)
+    w = KvWrites()
+    scrapes: list[EngineSnapshot] = []
+    finished = prompt = output = reused = 0
+    for k in range(rng.randrange(2, 60)):
+        finished += rng.choice((0, 0, 1, 2, 5))
+        new_prompt = rng.randrange(0, 40) * TPB
+        prompt += new_prompt
+        reused += int(new_prompt / TPB * rng.random())
+        output += rng.randrange(0, 10) * TPB
+        waiting = rng.choice((0, 0, 3))
+        snap = engine(float(k), finished=finished, prompt_tokens=prompt, output_tokens=output, reused=reused,
+                      free=rng.randrange(1, 80), waiting=waiting, scheduled=rng.randrange(1, 8))
+        w.observe(snap)
+        scrapes.append(snap)
+        for routed_at in (-1.0, *(t + d for t in range(k + 1) for d in (-0.5, 0.0, 0.5))):
+            assert w.gone(routed_at) == first_scrape_after_verdict(scrapes, routed_at), (k, routed_at)
+
+
 # --- prefix-affinity with the verdict -------------------------------------------------------------
 SYSTEM = "You are a helpful assistant for tenant {0}. " * 40  # ~1.6k chars: several chunks
 

@@ -342,6 +342,37 @@ def test_foreign_work_is_counted_against_what_we_had_in_flight_when_the_engine_w
     assert loads([c, b], {"0": 1, "1": 1}, NOW, policy.history)["0"] == 1 + (6 - 3)
 
 
+def test_a_snapshot_worked_out_as_it_arrives_counts_as_one_a_decision_works_out():
+    """InflightHistory.prime (a listening policy, as a snapshot arrives) must leave the counts a
+    decision reads as they are when the decision works the snapshot out itself, notes made
+    after its arrival included; one delivered at its own instant is left to the decision."""
+    from orchestrator.routing.llm_policies import InflightHistory
+    primed, lazy = InflightHistory(), InflightHistory()
+    a, b = backend("0"), backend("1", snap(active=2, at=NOW))
+    for h in (primed, lazy):
+        h.note_choice(NOW - 0.5, "0", 3)
+        h.note_choice(NOW - 0.5, "1", 1)
+    arrived = snap(active=7, kv_used=40, at=NOW - 0.01)
+    a.engine.update(arrived)
+    primed.prime("0", arrived, NOW)
+    primed.prime("1", b.engine.latest, NOW)  # at NOW itself: not worked out
+    assert primed._terms["0"][0] is arrived and "1" not in primed._terms
+    for h in (primed, lazy):
+        h.note_choice(NOW + 0.001, "0", 5)  # a choice after it arrived: its count rose after the scrape
+    for now in (NOW + 0.002, NOW + 0.3):
+        assert loads([a, b], {"0": 4, "1": 1}, now, primed) == loads([a, b], {"0": 4, "1": 1}, now, lazy)
+        assert requests([a, b], {"0": 4, "1": 1}, now, primed) == requests([a, b], {"0": 4, "1": 1}, now, lazy)
+    # foreign work there is the engine's 7 less our 3 when it was scraped, not less our 5 now
+    assert requests([a, b], {"0": 4, "1": 1}, NOW + 0.002, primed)["0"] == 4 + (7 - 3)
+
+
+def test_prefix_affinity_works_a_snapshot_out_as_it_hears_of_it():
+    clock = [NOW]
+    policy = PrefixAffinity(random.Random(1), clock=lambda: clock[0])
+    arrived = snap(active=3, at=NOW - 0.01)
+    policy.observe("0", arrived)
+    assert policy.history._terms["0"][0] is arrived
+
 def test_inflight_history_answers_from_a_long_busy_series():
     """Thousands of notes per instance in the kept window (a busy worker): answers as at every
     time, before and after the older notes are let go in bulk."""

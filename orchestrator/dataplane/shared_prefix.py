@@ -264,9 +264,12 @@ class SharedPrefixIndex:
         ids = slot[1 + HOLDERS:]
         if idx + 1 in ids:
             pos = ids.index(idx + 1)
-        else:  # a free place, or the holder used least recently
-            times = slot[1:1 + HOLDERS]
-            pos = min(range(HOLDERS), key=lambda i: (ids[i] != 0, times[i]))
+        else:  # a free place (the first), or the holder used least recently
+            if 0 in ids:
+                pos = ids.index(0)
+            else:
+                times = slot[1:1 + HOLDERS]
+                pos = times.index(min(times))
             _ID.pack_into(self._mm, off + _IDS_OFF + 4 * pos, idx + 1)
         _TIME.pack_into(self._mm, off + KEY_BYTES + 8 * pos, now)
 

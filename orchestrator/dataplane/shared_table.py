@@ -22,9 +22,11 @@ it, so a restarted daemon and the workers that survived it read the same numbers
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
+from operator import add
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,15 @@ SIZE = _EJECTED_OFF + 8 * MAX_INSTANCES
 # A worker whose heartbeat is older than this is not serving (stopped, stuck or dead): the one
 # definition used by /metrics' live count and by the accept share (accept_share.py).
 ALIVE_S = 2.0
+
+
+_ROW_BYTES = 4 * MAX_INSTANCES
+
+
+@functools.lru_cache(maxsize=None)
+def _span(width: int) -> struct.Struct:
+    """A span of `width` in-flight cells of one worker row (int32, native order)."""
+    return struct.Struct(f"={width}i")
 
 
 class TableError(Exception):
@@ -130,16 +141,16 @@ class SharedTable:
         return sum(i32[start:start + (i32[_ROWS_CELL] or MAX_WORKERS) * MAX_INSTANCES:MAX_INSTANCES])
 
     def inflight_span(self, first: int, end: int) -> list[int]:
-        """`inflight` of instances first..end-1 at once: a row slice per worker in use, not a
-        column per instance, summed column by column in C (16 instances, 4 workers: 2.6 us;
-        7 a column at a time)."""
-        i32 = self._i32
-        width = end - first
-        start = (_INFLIGHT_OFF >> 2) + first
-        stop = start + (i32[_ROWS_CELL] or MAX_WORKERS) * MAX_INSTANCES
-        if stop - start == MAX_INSTANCES:
-            return i32[start:start + width].tolist()
-        return list(map(sum, zip(*[i32[r:r + width] for r in range(start, stop, MAX_INSTANCES)])))
+        """`inflight` of instances first..end-1 at once: each worker row in use unpacked as one
+        struct, the rows added lane by lane in C (16 instances, 4 workers: 1.8 us; 2.5 with the
+        rows zipped into a tuple per instance and summed, 7 a column at a time)."""
+        unpack = _span(end - first).unpack_from
+        mm = self._mm
+        off = _INFLIGHT_OFF + 4 * first
+        counts: Any = unpack(mm, off)
+        for row in range(1, self._i32[_ROWS_CELL] or MAX_WORKERS):
+            counts = map(add, counts, unpack(mm, off + row * _ROW_BYTES))
+        return list(counts)
 
     def worker_inflight(self, worker: int) -> int:
         start = self._cell(worker, 0)

@@ -46,7 +46,7 @@ became `prefix-evicted`, KV hit rate 0.81-0.94 -> 0.57-0.80, TTFT p90 up to 9x (
 
 from __future__ import annotations
 
-from bisect import bisect_right
+import math
 from collections import deque
 
 from orchestrator.health.engine_state import EngineSnapshot
@@ -58,16 +58,18 @@ KEEP_S = 60.0
 
 class KvWrites:
     """One instance's engine at each scrape: (time, prompt blocks, output blocks, reused blocks,
-    requests finished), the counts cumulative."""
+    requests finished), the counts cumulative; and, worked out at each scrape, the verdict for
+    every routing time at once (`gone_before`)."""
 
-    __slots__ = ("_samples", "_times", "free", "running", "hit")
+    __slots__ = ("_samples", "free", "running", "hit", "gone_before")
 
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float, float, int, int]] = deque()
-        self._times: deque[float] = deque()  # each sample's time, for `gone`'s bisection without a key function
         self.free = 0  # free blocks (plain and cached) at the last scrape
         self.running = 0  # requests the engine runs at once
         self.hit = 0.0  # the kept window's prompt blocks taken from the cache, as a fraction
+        # A prefix last routed here before this monotonic time is surely gone (-inf: none is).
+        self.gone_before = -math.inf
 
     def observe(self, snap: EngineSnapshot) -> None:
         """A snapshot of this instance's engine (the same one again changes nothing)."""
@@ -77,32 +79,46 @@ class KvWrites:
         tpb = snap.tokens_per_block
         if not tpb:
             return
-        times = self._times
         if samples and (snap.finished < samples[-1][4] or snap.kv_reused < samples[-1][3]):
             samples.clear()  # the engine restarted: its counters began again
-            times.clear()
         samples.append((snap.at, snap.input_tokens / tpb, snap.output_tokens / tpb, snap.kv_reused, snap.finished))
-        times.append(snap.at)
-        while len(samples) > 2 and times[1] < snap.at - KEEP_S:
+        while len(samples) > 2 and samples[1][0] < snap.at - KEEP_S:
             samples.popleft()
-            times.popleft()
         self.free = snap.kv_free
         # Requests waiting for KV blocks: the batch is what the cache lets run, not the slots.
         self.running = snap.scheduled if snap.waiting > 0 and snap.scheduled > 0 else snap.max_active
         first, last = samples[0], samples[-1]
         window = last[1] - first[1]
         self.hit = min(1.0, (last[3] - first[3]) / window) if window > 0 else 0.0
+        self.gone_before = self._cutoff()
 
     def gone(self, routed_at: float) -> bool:
         """Whether a prefix last routed here at monotonic `routed_at` is surely evicted by now."""
+        return routed_at < self.gone_before
+
+    def _cutoff(self) -> float:
+        """The time of the latest scrape from which on the engine surely overwrote what it held
+        (`gone_before`), or -inf. Judged from the first scrape after the routing: what finished
+        between the routing and that scrape is not counted (the verdict errs towards "still
+        there"); routed before the oldest kept scrape, what was computed since the oldest (a lower
+        bound). The counters only grow, so the earlier that scrape the surer the verdict: the
+        latest one it holds for is found by bisection, once per scrape rather than per holder of
+        every decision's prompt."""
         samples = self._samples
-        # From the first scrape after it: what finished between the routing and that scrape is
-        # not counted (the verdict errs towards "still there"). Routed before the oldest kept
-        # scrape: what was computed since the oldest, a lower bound.
-        i = bisect_right(self._times, routed_at)
-        if i >= len(samples):
-            return False  # nothing scraped since
-        since, last = samples[i], samples[-1]
+        if not self._surely_gone(samples[0]):
+            return -math.inf
+        lo, hi = 0, len(samples) - 1  # it holds from samples[lo], never from the last (nothing since)
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if self._surely_gone(samples[mid]):
+                lo = mid
+            else:
+                hi = mid
+        return samples[lo][0]
+
+    def _surely_gone(self, since: tuple[float, float, float, int, int]) -> bool:
+        """Whether what was cached before scrape `since` is surely gone by the last scrape."""
+        last = self._samples[-1]
         if last[4] - since[4] < max(1, self.running):
             return False
         computed = (last[1] - since[1]) * (1.0 - self.hit) + last[2] - since[2]

@@ -163,6 +163,15 @@ class InflightHistory:
         # instance_id -> (snapshot, our count at its time, its active + pending, its KV term): `_counted`'s
         self._terms: dict[str, tuple[EngineSnapshot, int | None, int, float]] = {}
 
+    def prime(self, instance_id: str, snap: EngineSnapshot, now: float) -> None:
+        """Work out `_counted`'s terms of a snapshot as it arrives (a policy listening to the views
+        calls this), so no decision does: a quiet worker decides a few times per snapshot, and
+        would otherwise pay for every candidate's new terms within its decisions. Only once the
+        clock is past the snapshot's time (notes are made at `now`: none can join those at or
+        before it after that); one delivered at its own instant is worked out by the next decision."""
+        if snap.at < now and snap.iteration is not None:
+            self._terms[instance_id] = _snapshot_terms(snap, self._series.get(instance_id))
+
     def note_choice(self, now: float, chosen: str, count: int) -> None:
         """The chosen instance's count with its new request; the candidates' counts as read were
         noted by `_counted(..., note=True)`. Instances skipped by the choice are not noted: their
@@ -210,6 +219,14 @@ class _Series:
         return self.counts[i] if i >= self.start else None
 
 
+def _snapshot_terms(snap: EngineSnapshot, notes: "_Series | None") -> tuple[EngineSnapshot, int | None, int, float]:
+    """What `_counted` needs of a snapshot alone: (it, our count when it was taken by `notes`, the
+    requests its engine holds, its KV term)."""
+    kv_max = snap.kv_max
+    return (snap, None if notes is None else notes.at(snap.at), snap.active + snap.pending,
+            KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
+
+
 def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
              history: InflightHistory | None, note: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """(instance_id -> requests: ours + foreign, instance_id -> the same with KV pressure added);
@@ -237,10 +254,8 @@ def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
                 # KV term. Kept only once the clock is past its time: notes are made at `now`, so
                 # none can join those at or before it after that.
                 t = terms.get(iid)
-                if t is None or t[0] is not snap:
-                    kv_max = snap.kv_max
-                    t = (snap, None if s is None else s.at(snap.at), snap.active + snap.pending,
-                         KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
+                if t is None or t[0] is not snap:  # not primed as it arrived (InflightHistory.prime)
+                    t = _snapshot_terms(snap, s)
                     if snap.at < now:
                         terms[iid] = t
                 then = t[1]
@@ -461,6 +476,7 @@ class PrefixAffinity(_LoadAware):
         if w is None:
             w = self._writes[iid] = KvWrites()
         w.observe(snap)
+        self.history.prime(iid, snap, self._clock())
 
     def _held(self, keys: list[bytes]) -> tuple[dict[str, int], bool]:
         """Instance -> leading chunks of `keys` it likely holds; and whether a holder the index
@@ -473,7 +489,7 @@ class PrefixAffinity(_LoadAware):
         gone = False
         for iid, (d, routed_at) in found.items():
             w = writes.get(iid)
-            if w is not None and w.gone(routed_at):
+            if w is not None and routed_at < w.gone_before:  # KvWrites.gone, inline
                 gone = True
             else:
                 depth[iid] = d
