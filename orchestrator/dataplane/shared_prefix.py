@@ -52,6 +52,7 @@ _EMPTY_KEY = bytes(KEY_BYTES)
 _TIME = struct.Struct("=d")
 _ID = struct.Struct("=i")
 _HOLDER_IDS = struct.Struct(f"={HOLDERS}i")
+_HOLDER_TIMES = struct.Struct(f"={HOLDERS}d")
 _START = struct.Struct("<Q")  # a key's first 8 bytes: where its probe starts
 _IDS_OFF = KEY_BYTES + 8 * HOLDERS
 # record(): a key this worker wrote for the same instance this recently is not written again,
@@ -194,10 +195,12 @@ class SharedPrefixIndex:
             # read, not the whole slot).
             off = _SLOTS_OFF + (start_of(key)[0] & mask) * SLOT_SIZE
             ids = ids_of(mm, off + _IDS_OFF)
-            if ident in ids and mm[off:off + KEY_BYTES] == key:
-                _TIME.pack_into(mm, off + KEY_BYTES + 8 * ids.index(ident), now)
-            else:
+            if mm[off:off + KEY_BYTES] != key:
                 self._record_one(key, idx, now)
+            elif ident in ids:
+                _TIME.pack_into(mm, off + KEY_BYTES + 8 * ids.index(ident), now)
+            else:  # a new holder of a key in its first slot (a prefix moved, or spread)
+                self._add_holder(off, ids, idx, now)
 
     def forget_instance(self, instance_id: str) -> None:
         """The instance restarted or left: what it held is void from now (for every worker)."""
@@ -247,7 +250,7 @@ class SharedPrefixIndex:
             slot = _SLOT.unpack_from(mm, off)
             stored = slot[0]
             if stored == key:
-                self._add_holder(off, slot, idx, now)
+                self._add_holder(off, slot[1 + HOLDERS:], idx, now)
                 return
             if stored == _EMPTY_KEY:
                 victim, victim_age = off, float("-inf")
@@ -260,18 +263,19 @@ class SharedPrefixIndex:
         _TIMES.pack_into(mm, victim + KEY_BYTES, now, 0.0, 0.0, 0.0, idx + 1, 0, 0, 0)
         mm[victim:victim + KEY_BYTES] = key
 
-    def _add_holder(self, off: int, slot: tuple, idx: int, now: float) -> None:
-        ids = slot[1 + HOLDERS:]
+    def _add_holder(self, off: int, ids: tuple[int, ...], idx: int, now: float) -> None:
+        """Instance `idx` routed the key of the slot at `off` (whose holder ids are `ids`) now."""
+        mm = self._mm
         if idx + 1 in ids:
             pos = ids.index(idx + 1)
         else:  # a free place (the first), or the holder used least recently
             if 0 in ids:
                 pos = ids.index(0)
             else:
-                times = slot[1:1 + HOLDERS]
+                times = _HOLDER_TIMES.unpack_from(mm, off + KEY_BYTES)
                 pos = times.index(min(times))
-            _ID.pack_into(self._mm, off + _IDS_OFF + 4 * pos, idx + 1)
-        _TIME.pack_into(self._mm, off + KEY_BYTES + 8 * pos, now)
+            _ID.pack_into(mm, off + _IDS_OFF + 4 * pos, idx + 1)
+        _TIME.pack_into(mm, off + KEY_BYTES + 8 * pos, now)
 
 
 def _key16(key: bytes) -> bytes:
