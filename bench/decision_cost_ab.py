@@ -121,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         for row in one_round(trees, cores, a.instances, swap=bool(k % 2)):
             rows.append({**row, "round": k})
     summary = summarise(rows)
-    baseline = subprocess.run(["git", "-C", str(a.baseline_tree), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip() or a.baseline_tree.name
+    # A checkout names its commit; an exported tree (git archive, carried to the GPU machine) its
+    # folder: `git -C` there would name the enclosing repository's commit instead.
+    baseline = a.baseline_tree.resolve().name
+    if (a.baseline_tree / ".git").exists():
+        baseline = subprocess.run(["git", "-C", str(a.baseline_tree), "rev-parse", "--short", "HEAD"],
+                                  capture_output=True, text=True).stdout.strip() or baseline
     report = table(summary, ["policy", "prompts", "rate", "before_median_us", "after_median_us", "after_over_before",
                              "before_min_us", "after_min_us"])
     write_result_md("decision_cost_ab", {"bench": "decision_cost_ab", "summary": summary, "rows": rows,
