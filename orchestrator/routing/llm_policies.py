@@ -422,11 +422,11 @@ class PrefixAffinity(_LoadAware):
         candidates, requests_at, load, now = measured
         if self._recency is not None and backends is not self._seen:
             self._sync(backends)
-        keys = list(hints.prompt_keys) if hints is not None else []
+        keys = hints.prompt_keys if hints is not None else ()
         chosen = None
         if keys:
             depth, gone = self._held(keys)
-            holders = [b for b in candidates if depth.get(b.instance_id)]
+            holders = [b for b in candidates if b.instance_id in depth] if depth else []  # depths are >= 1
             if holders:
                 low = min(load.values())
                 within = [b for b in holders if load[b.instance_id] - low <= self.slack]
@@ -478,7 +478,7 @@ class PrefixAffinity(_LoadAware):
         w.observe(snap)
         self.history.prime(iid, snap, self._clock())
 
-    def _held(self, keys: list[bytes]) -> tuple[dict[str, int], bool]:
+    def _held(self, keys: Sequence[bytes | None]) -> tuple[dict[str, int], bool]:
         """Instance -> leading chunks of `keys` it likely holds; and whether a holder the index
         names was left out as surely evicted since (eviction.py)."""
         if self._recency is None:
