@@ -92,8 +92,8 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
         FEED_DELAY_S after it was taken."""
         k = state["k"]
         for i, v in enumerate(views):
-            v.update(EngineSnapshot(at=now[0] - FEED_DELAY_S, active=6, max_active=8, scheduled=6, kv_max=256, kv_used=100,
-                                    tokens_per_block=64, iteration=float(5 * k + i),
+            v.update(EngineSnapshot(at=now[0] - FEED_DELAY_S, active=6, max_active=8, scheduled=6, kv_max=256,
+                                    kv_used=100, tokens_per_block=64, iteration=float(5 * k + i),
                                     timestamp_us=int(state["ts"] * 1e6), context_tokens=2000 * (k % 2),
                                     finished=3 * k, input_tokens=6300 * k, output_tokens=60 * k, kv_reused=40 * k))
         state["ts"] += 0.1 + 0.0001 * 2000 * (k % 2)

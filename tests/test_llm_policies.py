@@ -367,11 +367,11 @@ def test_a_snapshot_worked_out_as_it_arrives_counts_as_one_a_decision_works_out(
 
 
 def test_prefix_affinity_works_a_snapshot_out_as_it_hears_of_it():
-    clock = [NOW]
-    policy = PrefixAffinity(random.Random(1), clock=lambda: clock[0])
+    policy = PrefixAffinity(random.Random(1), clock=lambda: NOW)
     arrived = snap(active=3, at=NOW - 0.01)
     policy.observe("0", arrived)
     assert policy.history._terms["0"][0] is arrived
+
 
 def test_inflight_history_answers_from_a_long_busy_series():
     """Thousands of notes per instance in the kept window (a busy worker): answers as at every
