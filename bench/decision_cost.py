@@ -138,14 +138,21 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
             "hints_us": round(statistics.median(hints_us), 1), "reason": balancer.last_reason}
 
 
-def run_in(tree: Path, config: tuple[str, int, str, str]) -> dict[str, Any]:
-    """`measure` in a child process on `tree`'s code (this file is handed over: an older tree lacks it)."""
+def child(tree: Path, config: tuple[str, int, str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that print `measure(*config)` as JSON, run on `tree`'s code (this
+    file is handed over: an older tree lacks it). The tree goes first on the path, before whatever
+    the environment already has there (the wheels carried to the GPU machine)."""
     code = ("import json, sys, runpy; sys.path.insert(0, sys.argv[1]); "
             "m = runpy.run_path(sys.argv[2]); "
             "print(json.dumps(m['measure'](sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])))")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", code, str(tree), __file__, *map(str, config)], env=env,
-                         capture_output=True, text=True, check=True, cwd=tree).stdout
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return [sys.executable, "-c", code, str(tree), __file__, *map(str, config)], {**os.environ, "PYTHONPATH": path}
+
+
+def run_in(tree: Path, config: tuple[str, int, str, str]) -> dict[str, Any]:
+    """`measure` in a child process on `tree`'s code (`child`)."""
+    cmd, env = child(tree, config)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

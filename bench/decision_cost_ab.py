@@ -29,13 +29,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.decision_cost import child
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = (("prefix-affinity", "tenant", "quiet"), ("prefix-affinity", "long", "quiet"),
            ("prefix-affinity", "tenant", "busy"), ("prefix-affinity", "long", "busy"),
            ("cost-model", "tenant", "quiet"), ("cost-model", "tenant", "busy"),
            ("least-outstanding", "tenant", "busy"))
-_CHILD = ("import json, sys, runpy; sys.path.insert(0, sys.argv[1]); m = runpy.run_path(sys.argv[2]); "
-          "print(json.dumps(m['measure'](sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])))")
 
 
 def one_round(trees: dict[str, Path], cores: list[int], instances: int, swap: bool) -> list[dict[str, Any]]:
@@ -43,15 +43,11 @@ def one_round(trees: dict[str, Path], cores: list[int], instances: int, swap: bo
     order = ("after", "before") if swap else ("before", "after")
     todo = [(tree, cfg) for cfg in CONFIGS for tree in order]
     pin = shutil.which("taskset")
-    bench = str(REPO / "bench" / "decision_cost.py")
     rows = []
     for start in range(0, len(todo), len(cores)):
         batch = []
-        for (tree, cfg), core in zip(todo[start:start + len(cores)], cores):
-            # the tree first, then whatever else the environment has on the path (the wheels)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(trees[tree]),
-                                                                             os.environ.get("PYTHONPATH")]))}
-            cmd = [sys.executable, "-c", _CHILD, str(trees[tree]), bench, cfg[0], str(instances), cfg[1], cfg[2]]
+        for (tree, (policy, kind, rate)), core in zip(todo[start:start + len(cores)], cores):
+            cmd, env = child(trees[tree], (policy, instances, kind, rate))
             if pin:
                 cmd = [pin, "-c", str(core), *cmd]
             batch.append((tree, core, subprocess.Popen(cmd, env=env, cwd=trees[tree], stdout=subprocess.PIPE,

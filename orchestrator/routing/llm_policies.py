@@ -489,7 +489,7 @@ class PrefixAffinity(_LoadAware):
         gone = False
         for iid, (d, routed_at) in found.items():
             w = writes.get(iid)
-            if w is not None and routed_at < w.gone_before:  # KvWrites.gone, inline
+            if w is not None and w.gone(routed_at):
                 gone = True
             else:
                 depth[iid] = d
