@@ -3,7 +3,8 @@
     .venv/bin/python -m bench.decision_cost [--instances 2,4,8,16] [--baseline-tree DIR]
 
 Times `Balancer.pick` as a data-plane worker runs it: the in-flight counts of the workers'
-shared table (4 workers' rows in use), the workers' shared prefix index, busy engines whose
+shared table (4 workers' rows in use), the workers' shared prefix index and pending prefill
+(cost-model; the other workers' prompt tokens at two thirds of the instances), busy engines whose
 snapshots the policies have learnt from (rates, KV counters), prebuilt RouteHints (hashing
 the prompt is the proxy's, timed apart as `hints_us`). Per policy (the default
 prefix-affinity, cost-model, least-outstanding for scale), per instance count, per prompt
@@ -79,8 +80,17 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
     for i in range(instances):  # other workers' requests in flight
         table.add_inflight(i % WORKER_ROWS, i, i % 7)
     index = SharedPrefixIndex.create(tmp / "prefixes", clock=clock)
-    balancer = Balancer(policy_name, rng=random.Random(1), clock=clock,
-                        shared=SharedRouting(GlobalInflight(table), WorkerCounts(table, 0), index))
+    shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, 0), index)
+    try:  # the workers' pending prefill (cost-model), as a worker has it; an older tree has none
+        from orchestrator.dataplane.shared_pending import SharedPending
+        from orchestrator.routing.journal import Journal
+        pending = SharedPending.create(tmp / "pending")
+        for i in range(instances):  # prompt tokens other workers routed and did not see prefilled
+            pending.lane(1 + i % (WORKER_ROWS - 1), table.rows).add(str(i), 500.0 * (i % 3))
+        shared = shared._replace(journal=Journal(pending.lane(0, table.rows)))
+    except ImportError:
+        pass
+    balancer = Balancer(policy_name, rng=random.Random(1), clock=clock, shared=shared)
     policy = balancer._policy
     if hasattr(policy, "_clock"):
         policy._clock = clock

@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import stat
 import statistics
 import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.dataplane.shared_pending import SharedPending
 
 pytestmark = pytest.mark.e2e
 
@@ -127,7 +130,8 @@ def close(proxy_mean: float, client_mean: float) -> bool:
 
 
 def test_every_pick_of_a_generation_reaches_the_cost_model_and_its_metrics(orch_run):
-    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--canary-interval-s", "0", "--lb-policy", "cost-model"),
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2,
+                   extra=("--canary-interval-s", "0", "--lb-policy", "cost-model", "--proxy-workers", "2"),
                    env_extra={"DEMO_TOKEN_DELAY_MS": str(TOKEN_MS)})
     run.start(timeout=120)
     asyncio.run(_http_load(run.url("/v2/models/ensemble")))
@@ -139,6 +143,16 @@ def test_every_pick_of_a_generation_reaches_the_cost_model_and_its_metrics(orch_
     # pending there): before, only unit tests that called the metrics by hand saw one
     assert total(m, "trtllm_orch_proxy_route_prompt_tokens_count") == n
     assert total(m, "trtllm_orch_proxy_route_prompt_tokens_sum") > 0
+    # the workers' pending prefill (shared_pending.py): owner-only, and every pick's prompt
+    # tokens, added to its worker's cell, left it with its first token (nothing left pending)
+    path = run.state_dir / "dataplane" / "pending"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    pending = SharedPending.open(path)
+    try:
+        cells = pending.cells("0", 2) + pending.cells("1", 2)
+    finally:
+        pending.close()
+    assert cells == [0.0] * 4
 
 
 def test_llm_metrics_match_what_the_client_measured(orch_run):

@@ -11,14 +11,15 @@ every shrink at reload would refuse a few clients under load; a shared socket
 never closes while the run lives. Workers run with libuv's single-accept mode, so
 an idle worker is not outraced to a burst of connections by a busy one.
 
-It owns: the sockets, the shared table and prefix index (created zeroed at start), the feed server,
+It owns: the sockets, the shared table, prefix index and pending-prefill file (created zeroed at
+start), the feed server,
 one supervising task per slot, the worker processes. It publishes to the workers,
 over the feed, what the daemon owns: membership (on every change), each ready
 instance's engine snapshots (as scraped), the settings (at reload). It takes from
 them passive health reports, which go to the instance's own PassiveHealth, and
 their per-second stats (for `status` and `top`).
 
-A worker that exits unasked is replaced in its slot (its row of the table is
+A worker that exits unasked is replaced in its slot (its rows of the table and pending file are
 cleared first: what it had in flight died with its connections); one that dies
 again within STABLE_S of its start waits a growing backoff, as engines do.
 """
@@ -48,8 +49,10 @@ from orchestrator.dataplane.accept import bind_listener
 from orchestrator.dataplane.feed import FeedServer
 from orchestrator.dataplane.recent import histogram_percentile
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
+from orchestrator.dataplane.shared_pending import SharedPending
 from orchestrator.dataplane.shared_table import SharedTable, TableError, instance_index
-from orchestrator.dataplane.worker import dataplane_dir, feed_path, handover_path, prefix_path, table_path
+from orchestrator.dataplane.worker import (dataplane_dir, feed_path, handover_path, pending_path, prefix_path,
+                                           table_path)
 from orchestrator.errors import OrchError
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
@@ -95,6 +98,7 @@ class WorkerPool:
         self._slots: dict[int, _Slot] = {}
         self._sockets: dict[str, socket.socket] = {}
         self._table: SharedTable | None = None
+        self._pending: SharedPending | None = None  # None: a data plane adopted from a daemon without it
         self._feed: FeedServer | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._hooked: dict[str, tuple[Any, Callable[[EngineSnapshot], None]]] = {}
@@ -134,6 +138,20 @@ class WorkerPool:
         self._prom_dir.mkdir(mode=0o700)
         self._table = SharedTable.create(table_path(self._state_dir))
         SharedPrefixIndex.create(prefix_path(self._state_dir)).close()  # the workers map it
+        self._pending = SharedPending.create(pending_path(self._state_dir))
+
+    def _adopt_pending(self) -> SharedPending | None:
+        """The adopted workers' pending-prefill file; made where a daemon without it left none (the
+        workers started from now on share theirs). One of another layout stays as it is: the
+        adopted workers map it, and the new ones keep their ledgers to themselves."""
+        path = pending_path(self._state_dir)
+        try:
+            return SharedPending.open(path)
+        except TableError as exc:
+            if path.exists():
+                self._log.warning("live restore: %s: pending prefill not shared", exc)
+                return None
+        return SharedPending.create(path)
 
     async def _start_feed(self) -> None:
         self._feed = FeedServer(feed_path(self._state_dir), on_connect=self._on_connect,
@@ -152,6 +170,7 @@ class WorkerPool:
             self._log.warning("live restore: %s: the previous workers are stopped, new ones started", exc)
             await self._stop_strays()
             return False
+        self._pending = self._adopt_pending()
         for w in self._adopt:
             slot = self._slots[w.slot] = _Slot(w.slot)
             slot.proc = AdoptedProcess(w.pid, w.create_time)
@@ -256,6 +275,9 @@ class WorkerPool:
         if self._table is not None:
             self._table.close()
             self._table = None
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
 
     # --- workers -----------------------------------------------------------------------------
     async def _grow(self, count: int) -> None:
@@ -286,6 +308,8 @@ class WorkerPool:
     async def _spawn(self, slot: _Slot) -> None:
         assert self._table is not None
         self._table.clear_worker(slot.index)
+        if self._pending is not None:
+            self._pending.clear_worker(slot.index)
         self._table.use_rows(slot.index + 1)  # before it can count a request in its row
         slot.listening.clear()
         fds = {name: sock.fileno() for name, sock in self._sockets.items()}
@@ -335,6 +359,8 @@ class WorkerPool:
     def _forget_process(self, slot: _Slot, pid: int) -> None:
         if self._table is not None:
             self._table.clear_worker(slot.index)
+        if self._pending is not None:
+            self._pending.clear_worker(slot.index)
         with contextlib.suppress(Exception):
             from prometheus_client import multiprocess
             multiprocess.mark_process_dead(pid, str(self._prom_dir))

@@ -25,13 +25,12 @@ daemon creates the file zeroed at `up`.
 from __future__ import annotations
 
 import mmap
-import os
 import struct
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from orchestrator.dataplane.shared_table import MAX_INSTANCES, TableError, instance_index
+from orchestrator.dataplane.shared_table import MAX_INSTANCES, TableError, create_mapped, instance_index, open_mapped
 from orchestrator.routing.prefix_index import DEFAULT_TTL_S, recorded
 
 MAGIC = 0x7472746C6C707831  # "trtllpx1"
@@ -82,30 +81,15 @@ class SharedPrefixIndex:
     def create(cls, path: Path, slots: int = SLOTS, **kw) -> "SharedPrefixIndex":
         if slots & (slots - 1):
             raise ValueError(f"slots={slots}: must be a power of two")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # prompts' fingerprints: owner only
-        try:
-            os.ftruncate(fd, file_size(slots))
-            mm = mmap.mmap(fd, file_size(slots))
-        finally:
-            os.close(fd)
+        mm = create_mapped(path, file_size(slots))  # prompts' fingerprints: owner only
         _HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, slots)
         return cls(path, mm, slots, **kw)
 
     @classmethod
     def open(cls, path: Path, **kw) -> "SharedPrefixIndex":
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise TableError(f"{path}: cannot open the shared prefix index: {exc.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < _SLOTS_OFF:
-                raise TableError(f"{path}: size {size}: not a shared prefix index")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        mm = open_mapped(path, "shared prefix index", _SLOTS_OFF.__le__)
         magic, version, slots = _HEADER.unpack_from(mm, 0)
-        if magic != MAGIC or version != LAYOUT_VERSION or size != file_size(slots):
+        if magic != MAGIC or version != LAYOUT_VERSION or len(mm) != file_size(slots):
             mm.close()
             raise TableError(f"{path}: not a shared prefix index of this layout (version {version})")
         return cls(path, mm, slots, **kw)

@@ -26,7 +26,7 @@ import functools
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import add
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,33 @@ class TableError(Exception):
     pass
 
 
+def create_mapped(path: Path, size: int) -> mmap.mmap:
+    """A zeroed, owner-only file of `size` bytes, mapped: how the daemon makes each of the data
+    plane's shared files (they say who serves what, and hold fingerprints of prompts)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def open_mapped(path: Path, what: str, size: Callable[[int], bool]) -> mmap.mmap:
+    """An existing shared file mapped whole (a worker, or a daemon adopting a data plane); a
+    TableError naming `what` where it cannot be opened or `size(its size)` says it is not one."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise TableError(f"{path}: cannot open the {what}: {exc.strerror}") from None
+    try:
+        actual = os.fstat(fd).st_size
+        if not size(actual):
+            raise TableError(f"{path}: size {actual}: not a {what} of this layout (another version?)")
+        return mmap.mmap(fd, actual)
+    finally:
+        os.close(fd)
+
+
 def instance_index(instance_id: str) -> int:
     """Instance ids are their plan position ("0", "1", ...): the column in every row."""
     i = int(instance_id)
@@ -84,28 +111,14 @@ class SharedTable:
     @classmethod
     def create(cls, path: Path) -> "SharedTable":
         """A zeroed table (the daemon, at `up`). Owner-only: it says who serves what."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, SIZE)
-            mm = mmap.mmap(fd, SIZE)
-        finally:
-            os.close(fd)
+        mm = create_mapped(path, SIZE)
         _HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES)
         return cls(path, mm)
 
     @classmethod
     def open(cls, path: Path) -> "SharedTable":
         """The table of a running data plane (a worker, or a daemon adopting one)."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise TableError(f"{path}: cannot open the data-plane table: {exc.strerror}") from None
-        try:
-            if os.fstat(fd).st_size != SIZE:
-                raise TableError(f"{path}: size {os.fstat(fd).st_size}, expected {SIZE} (another version?)")
-            mm = mmap.mmap(fd, SIZE)
-        finally:
-            os.close(fd)
+        mm = open_mapped(path, "data-plane table", SIZE.__eq__)
         magic, version, workers, instances = _HEADER.unpack_from(mm, 0)
         if (magic, version, workers, instances) != (MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES):
             mm.close()
@@ -130,6 +143,10 @@ class SharedTable:
         """Worker slots 0..rows-1 may write their rows from now on (the daemon, before a start)."""
         i32 = self._i32
         i32[_ROWS_CELL] = max(i32[_ROWS_CELL], min(rows, MAX_WORKERS))
+
+    def rows(self) -> int:
+        """The worker rows in use (every row where an older daemon left it unknown)."""
+        return self._i32[_ROWS_CELL] or MAX_WORKERS
 
     def inflight(self, instance: int) -> int:
         """Requests in flight at `instance` from every worker. Every routing decision reads it

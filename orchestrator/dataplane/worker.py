@@ -47,9 +47,11 @@ from orchestrator.dataplane.away_probe import AwayProber
 from orchestrator.dataplane.feed import FeedClient
 from orchestrator.dataplane.membership import WorkerMembership
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
-from orchestrator.dataplane.shared_table import GlobalInflight, SharedTable, WorkerCounts
+from orchestrator.dataplane.shared_pending import SharedPending
+from orchestrator.dataplane.shared_table import GlobalInflight, SharedTable, TableError, WorkerCounts
 from orchestrator.routing.backends import ReadyBackends
 from orchestrator.routing.balancer import SharedRouting
+from orchestrator.routing.journal import Journal
 from orchestrator.tasks import cancel_and_wait
 
 HEARTBEAT_S = 0.25
@@ -73,6 +75,10 @@ def prefix_path(state_dir: Path) -> Path:
     return dataplane_dir(state_dir) / "prefixes"
 
 
+def pending_path(state_dir: Path) -> Path:
+    return dataplane_dir(state_dir) / "pending"
+
+
 def handover_path(state_dir: Path) -> Path:
     """Where a new daemon takes the listening sockets from a worker (SCM_RIGHTS)."""
     return dataplane_dir(state_dir) / "handover.sock"
@@ -91,6 +97,7 @@ class Worker:
         self._got_members = asyncio.Event()
         self.started = time.time()
         self._away_task: asyncio.Task[None] | None = None  # the away prober, while no daemon is there
+        self.pending: SharedPending | None = None  # the workers' pending prefill (shared_pending.py)
 
     async def run(self) -> int:
         from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read
@@ -102,6 +109,7 @@ class Worker:
         table.set_pid(self.slot, os.getpid())
         self.table = table
         self.prefixes = SharedPrefixIndex.open(prefix_path(self.state_dir))
+        self.pending = self._open_pending(table)
         backends = ReadyBackends()
         self.feed = FeedClient(feed_path(self.state_dir), self._hello, self._on_message,
                                self._on_connection, self._log)
@@ -134,15 +142,31 @@ class Worker:
                 tasks.append(self._away_task)
             await cancel_and_wait(*tasks)
             table.clear_worker(self.slot)
+            if self.pending is not None:
+                self.pending.clear_worker(self.slot)
         return 0
+
+    def _open_pending(self, table: SharedTable) -> SharedPending | None:
+        """The workers' pending-prefill file, this worker's row cleared; None where the daemon
+        that made this data plane had none (an older one, adopted by live restore): the
+        cost-model's ledgers stay this worker's own, as they were then."""
+        try:
+            pending = SharedPending.open(pending_path(self.state_dir))
+        except TableError as exc:
+            self._log.warning("data-plane worker %d: %s: pending prefill not shared", self.slot, exc)
+            return None
+        pending.clear_worker(self.slot)
+        return pending
 
     def _make_proxies(self, backends: ReadyBackends, metrics: Any, table: SharedTable) -> list[Any]:
         from orchestrator.dataplane.embedded import EmbeddedProxy
         slot = self.slot
         s = self.settings
-        # Every worker routes on the same numbers: all workers' in-flight counts and one
-        # prefix index (HTTP and gRPC alike, so a prefix sent by either lands together).
-        shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes)
+        # Every worker routes on the same numbers: all workers' in-flight counts, one prefix
+        # index and the prefill pending at each instance (HTTP and gRPC alike, so a prefix sent
+        # by either lands together; one journal for both).
+        lane = self.pending.lane(slot, table.rows) if self.pending is not None else None
+        shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane))
         proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,
                                             sockets=self._sockets, tally=lambda: table.add_requests(slot),
                                             accept_share=AcceptShare(table, slot))]

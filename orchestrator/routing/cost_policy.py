@@ -53,9 +53,12 @@ total wins.
   prefix split there stays split). With a stale
   snapshot (or no TRT-LLM metrics) the requests there are ours alone.
 
-Every input but the journal is shared by the data-plane workers (the snapshots, the global
-in-flight counts, the prefix index); the journal is each worker's own unless the data plane
-hands every worker one shared journal (journal.py).
+The data-plane workers share the snapshots, the global in-flight counts, the prefix index and
+the prompt tokens pending prefill at each instance (journal.Pending over
+dataplane/shared_pending.py). The rest of the journal is each worker's own: the blocks it routed
+to each instance since a prefix (the eviction estimate, which misses the other workers' blocks,
+so a prefix looks cached longer than it is), the token ratio's prompt lengths and the estimates'
+error. Workers decide alike only as far as those agree.
 
 Each choice leaves `last_reason` (the routing-decision counters: `hit` where the chosen
 instance holds the most of the prompt, `spill` where another holds more, `miss` where none
@@ -292,6 +295,8 @@ class CostModel:
         ns: list[int] = []
         low = math.inf
         tol = 0.0
+        # the other workers' pending prefill (None: not shared); what seconds are priced with
+        others = self.journal.others(backends) if learnt else None
         if learnt:
             tol = math.inf
             for inst in cands:
@@ -301,7 +306,10 @@ class CostModel:
                 uncached = tokens - cached[iid] if iid in cached else tokens
                 # ttft_estimate, inline (16 candidates in < 20 us); the test suite holds them equal
                 pending = inst.pending
-                cost = p * ((pending.at(now) if pending.heap else 0.0) + uncached) + inst.decode_s
+                queued = pending.at(now) if pending.heap else 0.0
+                if others:
+                    queued += others.get(iid, 0.0)
+                cost = p * (queued + uncached) + inst.decode_s
                 slots = inst.slots
                 if n >= slots:
                     cost += (n - slots + 1) * inst.wait_unit
@@ -357,7 +365,8 @@ class CostModel:
         if learnt:  # without the delay the choice imposes on the others
             r = inst.rates
             n = ns[pick]
-            estimate = r.prefill_s * (inst.pending.total + tokens - got) + r.decode_s + \
+            queued = inst.pending.total + (others.get(inst.iid, 0.0) if others else 0.0)
+            estimate = r.prefill_s * (queued + tokens - got) + r.decode_s + \
                 ((n - inst.slots + 1) * inst.wait_unit if n >= inst.slots else 0.0)
         return inst, reason, estimate, tokens, got
 

@@ -10,9 +10,10 @@ an in-process PrefixIndex, and the data plane's shared one, dataplane/shared_pre
 is the last routing by any worker); the times here serve an index without it.
 
 The cost-model policy reads and writes one `Journal`. In one process that is everything
-routed; with several data-plane workers each worker's journal holds its own routings only,
-and the workers decide alike only where they share one (a shared-memory journal with the
-same methods, as dataplane/shared_prefix.py is for the prefix index).
+routed; with several data-plane workers each worker's journal holds its own routings, but for
+the prompt tokens pending prefill: a worker's ledgers add to its cell of a shared file
+(dataplane/shared_pending.py) and read the other workers' cells, so every worker prices the
+prefill queued at an instance by all of them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from orchestrator.routing.cost_model import FORGET, on_grid
 from orchestrator.routing.prefix_index import DEFAULT_MAX_CHUNKS, recorded
@@ -86,30 +88,42 @@ class WriteLog:
 
 class Pending:
     """Prompt tokens routed to one instance and not prefilled yet: each entry [until, tokens,
-    self] ends at its request's first token (`done`) or at its estimated first token."""
+    self] ends at its request's first token (`done`) or at its estimated first token.
 
-    __slots__ = ("heap", "total")
+    With `shared` (a data-plane worker's lane of dataplane/shared_pending.py) every change of the
+    total is added to the worker's cell there (`Journal.others`: what the other workers routed
+    there). Changes, not totals: a worker's cell is the sum of what it holds pending there (one
+    journal per worker, but a cell that stays right whatever else adds to it), and prompt
+    tokens are whole numbers, so the sums stay exact."""
 
-    def __init__(self) -> None:
+    __slots__ = ("heap", "total", "shared", "_iid")
+
+    def __init__(self, shared: "PendingShare | None" = None, instance_id: str = "") -> None:
         self.heap: list[list] = []
         self.total = 0.0
+        self.shared = shared
+        self._iid = instance_id
 
     def at(self, now: float) -> float:
         heap = self.heap
         if not heap:
             return 0.0
-        total = self.total
+        before = total = self.total
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             total -= entry[1]
             entry[1] = 0.0  # a first token reported after this changes nothing
         self.total = total if heap else 0.0  # no float drift left behind
+        if self.shared is not None and self.total != before:
+            self.shared.add(self._iid, self.total - before)
         return self.total
 
     def add(self, tokens: float, until: float) -> list:
         entry = [until, tokens, self]
         heapq.heappush(self.heap, entry)
         self.total += tokens
+        if self.shared is not None:
+            self.shared.add(self._iid, tokens)
         return entry
 
     @staticmethod
@@ -117,7 +131,21 @@ class Pending:
         tokens, entry[1] = entry[1], 0.0
         if tokens:
             ledger = entry[2]
-            ledger.total = max(0.0, ledger.total - tokens)
+            before = ledger.total
+            ledger.total = max(0.0, before - tokens)
+            if ledger.shared is not None:
+                ledger.shared.add(ledger._iid, ledger.total - before)
+
+    def clear(self) -> None:
+        """Nothing pending any more (the instance restarted: `Journal.forget`): the requests
+        routed before may still end, changing nothing. In place, so every policy holding the
+        ledger (a worker's HTTP and gRPC proxies share its journal) sees it cleared."""
+        for entry in self.heap:
+            entry[1] = 0.0
+        self.heap.clear()
+        if self.shared is not None and self.total:
+            self.shared.add(self._iid, -self.total)
+        self.total = 0.0
 
 
 class ErrorMeter:
@@ -138,12 +166,21 @@ class ErrorMeter:
         self.value = on_grid(self._sum / self._n)
 
 
+class PendingShare(Protocol):
+    """Where a data-plane worker's pending ledgers meet the others' (dataplane/shared_pending.py)."""
+
+    def add(self, instance_id: str, tokens: float) -> None: ...
+
+    def of(self, backends: Sequence[Any]) -> dict[str, float]: ...
+
+
 class Journal:
-    def __init__(self) -> None:
+    def __init__(self, pending: PendingShare | None = None) -> None:
         self.prompts = PromptStats()
         self.errors = ErrorMeter()
         self._logs: dict[str, WriteLog] = {}
         self._pending: dict[str, Pending] = {}
+        self._share = pending
 
     def log(self, iid: str) -> WriteLog:
         log = self._logs.get(iid)
@@ -154,10 +191,17 @@ class Journal:
     def pending(self, iid: str) -> Pending:
         ledger = self._pending.get(iid)
         if ledger is None:
-            ledger = self._pending[iid] = Pending()
+            ledger = self._pending[iid] = Pending(self._share, iid)
         return ledger
+
+    def others(self, backends: Sequence[Any]) -> dict[str, float] | None:
+        """instance id -> the prompt tokens the other data-plane workers routed there and did not
+        see prefilled yet; None without a shared file (one process: its ledgers are everything)."""
+        return self._share.of(backends) if self._share is not None else None
 
     def forget(self, iid: str) -> None:
         """The instance restarted: nothing routed there before counts."""
         self._logs.pop(iid, None)
-        self._pending.pop(iid, None)
+        ledger = self._pending.get(iid)
+        if ledger is not None:
+            ledger.clear()

@@ -1,0 +1,138 @@
+"""The prompt tokens each data-plane worker routed to each instance whose prefill has not
+happened yet (the cost-model's pending prefill, routing/journal.py's `Pending`), shared by the
+workers: one memory-mapped file in the state dir, beside the shared table.
+
+Layout (native byte order, fixed offsets, no locks):
+    header      magic, layout version, max workers, max instances
+    pending     [worker][instance] float64 prompt tokens not prefilled yet, written by that
+                worker only (every change of its ledgers' totals added there)
+
+One writer per cell, as in the shared table (shared_table.py): a worker adds to its own cell
+from its event loop, readers add the column, so every worker prices the prefill queued at an
+instance by all of them. Before, each worker's ledger held its own routings only: with N workers each saw about
+1/N of the prefill queued there, and the workers' estimates (and picks) for the same request
+differed by the others' share.
+
+A separate file and not a lane of the shared table, so a table of an older data plane (adopted
+by live restore) keeps its layout: a worker that finds no such file keeps its ledger to itself,
+as before. The daemon creates it with the table and zeroes a worker's row where it zeroes the
+table's (a worker that died took its requests, and their pending prefill, with it). The rows
+summed are the table's rows in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import struct
+from collections.abc import Callable, Sequence
+from operator import add
+from pathlib import Path
+from typing import Any
+
+from orchestrator.dataplane.shared_table import (MAX_INSTANCES, MAX_WORKERS, TableError, create_mapped, instance_index,
+                                                open_mapped)
+
+MAGIC = 0x7472746C6C706E31  # "trtllpn1"
+LAYOUT_VERSION = 1
+_HEADER = struct.Struct("=QIII")
+_HEADER_SIZE = 64
+SIZE = _HEADER_SIZE + 8 * MAX_WORKERS * MAX_INSTANCES
+_ROW_BYTES = 8 * MAX_INSTANCES  # one worker's row
+
+
+class SharedPending:
+    def __init__(self, path: Path, mm: mmap.mmap) -> None:
+        self.path = path
+        self._mm = mm
+        self._f64 = memoryview(mm).cast("d")
+
+    @classmethod
+    def create(cls, path: Path) -> "SharedPending":
+        """A zeroed file (the daemon, with the shared table). Owner-only, as the table."""
+        mm = create_mapped(path, SIZE)
+        _HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES)
+        return cls(path, mm)
+
+    @classmethod
+    def open(cls, path: Path) -> "SharedPending":
+        mm = open_mapped(path, "pending-prefill file", SIZE.__eq__)
+        if _HEADER.unpack_from(mm, 0) != (MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES):
+            mm.close()
+            raise TableError(f"{path}: not a pending-prefill file of this layout")
+        return cls(path, mm)
+
+    def close(self) -> None:
+        self._f64.release()
+        self._mm.close()
+
+    @staticmethod
+    def _cell(worker: int, instance: int) -> int:
+        return (_HEADER_SIZE >> 3) + worker * MAX_INSTANCES + instance
+
+    def clear_worker(self, worker: int) -> None:
+        start = self._cell(worker, 0)
+        self._f64[start:start + MAX_INSTANCES] = memoryview(bytes(8 * MAX_INSTANCES)).cast("d")
+
+    def cells(self, instance_id: str, rows: int) -> list[float]:
+        """Each worker row's pending prompt tokens at the instance, rows 0..rows-1."""
+        col = self._cell(0, instance_index(instance_id))
+        return list(self._f64[col:col + rows * MAX_INSTANCES:MAX_INSTANCES])
+
+    def lane(self, worker: int, rows: Callable[[], int]) -> "PendingLane":
+        """What worker `worker`'s journal writes and reads; `rows()`: the worker rows in use (the
+        shared table's `rows`)."""
+        return PendingLane(self, worker, rows)
+
+
+class PendingLane:
+    """One worker's view: `add` to its own cell of an instance; `of` the other workers' cells."""
+
+    def __init__(self, shared: SharedPending, worker: int, rows: Callable[[], int]) -> None:
+        self._mm = shared._mm
+        self._f64 = shared._f64
+        self._worker = worker
+        self._rows = rows
+        self._cells: dict[str, int] = {}  # instance id -> its cell in this worker's row
+        self._of: Sequence[Any] | None = None  # the ready set `of` last read, and its span
+        self._span: tuple[int, int, list[str | None], struct.Struct] = (0, 0, [], struct.Struct("="))
+
+    def add(self, instance_id: str, tokens: float) -> None:
+        cell = self._cells.get(instance_id)
+        if cell is None:
+            cell = self._cells[instance_id] = SharedPending._cell(self._worker, instance_index(instance_id))
+        self._f64[cell] += tokens
+
+    def of(self, backends: Sequence[Any]) -> dict[str, float]:
+        """instance id -> the prompt tokens the other workers routed there and did not see
+        prefilled yet, for these instances (anything with an `instance_id`; ids the file has no
+        column for are left out; empty while no other worker's row is in use). Read together, as
+        the in-flight counts are (shared_table's `inflight_span`): one struct unpack per other
+        worker's row over the instances' span, added lane by lane."""
+        if backends is not self._of:
+            index = {}
+            for b in backends:
+                with contextlib.suppress(ValueError, TableError):
+                    index[b.instance_id] = instance_index(b.instance_id)
+            first = min(index.values(), default=0)
+            end = max(index.values(), default=-1) + 1
+            ids_at: list[str | None] = [None] * max(0, end - first)  # None: a gap in the span
+            for iid, i in index.items():
+                ids_at[i - first] = iid
+            self._span = (first, end, ids_at, struct.Struct(f"={len(ids_at)}d"))
+            self._of = backends
+        first, end, ids_at, span = self._span
+        unpack = span.unpack_from
+        mm = self._mm
+        off = _HEADER_SIZE + 8 * first
+        worker = self._worker
+        values: Any = None
+        for row in range(self._rows() if end > first else 0):
+            if row != worker:
+                cells = unpack(mm, off + row * _ROW_BYTES)
+                values = cells if values is None else map(add, values, cells)
+        if values is None:
+            return {}
+        out = dict(zip(ids_at, values))
+        out.pop(None, None)  # type: ignore[call-overload]
+        return out

@@ -1,0 +1,153 @@
+"""The cost-model's pending prefill shared by the data-plane workers (dataplane/shared_pending.py,
+routing/journal.py's Pending): what one worker routed and has not seen prefilled is priced by
+every other, and nothing a worker leaves behind outlives it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchestrator.dataplane.shared_pending import SharedPending
+from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
+from orchestrator.dataplane.shared_table import MAX_INSTANCES, GlobalInflight, SharedTable, TableError
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.cost_policy import CostModel
+from orchestrator.routing.journal import Journal
+from orchestrator.routing.llm_policies import RouteHints
+from tests.test_cost_policy import Clock, Engines, hints
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def files(tmp_path):
+    table = SharedTable.create(tmp_path / "table")
+    table.use_rows(3)
+    pending = SharedPending.create(tmp_path / "pending")
+    yield table, pending
+    pending.close()
+    table.close()
+
+
+def test_a_worker_sees_what_the_others_have_pending_not_its_own(files, tmp_path):
+    table, pending = files
+    other = SharedPending.open(tmp_path / "pending")  # another worker's mapping of the file
+    w0, w1, w2 = pending.lane(0, table.rows), other.lane(1, table.rows), other.lane(2, table.rows)
+    w0.add("3", 500.0)
+    w1.add("3", 200.0)
+    w2.add("3", 50.0)
+    w1.add("4", 7.0)
+    ready = [Backend(str(i), "h", 1, 2, 3) for i in range(2, 6)]
+    assert [w.of(ready) for w in (w0, w1, w2)] == [{"2": 0.0, "3": 250.0, "4": 7.0, "5": 0.0},
+                                                    {"2": 0.0, "3": 550.0, "4": 0.0, "5": 0.0},
+                                                    {"2": 0.0, "3": 700.0, "4": 7.0, "5": 0.0}]
+    assert pending.cells("3", 3) == [500.0, 200.0, 50.0]
+    other.clear_worker(1)  # the daemon, after worker 1 died
+    assert w0.of(ready) == {"2": 0.0, "3": 50.0, "4": 0.0, "5": 0.0}
+    # instances out of order, and an id the file has no column for
+    assert w0.of([ready[2], Backend("spare", "h", 1, 2, 3), ready[1]]) == {"4": 0.0, "3": 50.0}
+    assert w0.of([]) == {}
+    other.close()
+
+
+def test_rows_beyond_those_in_use_are_not_read(files):
+    table, pending = files
+    ready = [Backend("0", "h", 1, 2, 3)]
+    pending.lane(5, table.rows).add("0", 900.0)  # a row the daemon has not put in use (3 rows)
+    assert pending.lane(0, table.rows).of(ready) == {"0": 0.0}
+    assert pending.lane(4, table.rows).of(ready) == {"0": 0.0}  # a lane out of use reads the rows in use
+    table.use_rows(6)
+    assert pending.lane(0, table.rows).of(ready) == {"0": 900.0}
+
+
+def test_ledgers_add_their_changes_to_the_workers_cell(files):
+    table, pending = files
+    mine, theirs = pending.lane(0, table.rows), pending.lane(1, table.rows)
+    ready = [Backend("2", "h", 1, 2, 3)]
+    journal = Journal(mine)
+    ledger = journal.pending("2")
+    a = ledger.add(1000, until=10.0)
+    ledger.add(300, until=20.0)
+    assert theirs.of(ready)["2"] == 1300
+    ledger.done(a)  # its first token came
+    assert theirs.of(ready)["2"] == 300
+    assert ledger.at(25.0) == 0.0  # the other's estimated first token passed
+    assert theirs.of(ready)["2"] == 0.0
+    b = ledger.add(400, until=30.0)
+    journal.forget("2")  # the instance restarted: nothing pending there
+    assert theirs.of(ready)["2"] == 0.0 and ledger.total == 0.0
+    ledger.done(b)  # a request routed before the restart ends: changes nothing
+    assert theirs.of(ready)["2"] == 0.0
+    theirs.add("2", 60.0)
+    assert journal.others(ready) == {"2": 60.0} and Journal().others(ready) is None
+
+
+def test_a_file_of_another_layout_is_refused(tmp_path):
+    (tmp_path / "pending").write_bytes(b"\0" * 128)
+    with pytest.raises(TableError, match="size 128"):
+        SharedPending.open(tmp_path / "pending")
+    with pytest.raises(TableError, match="cannot open"):
+        SharedPending.open(tmp_path / "missing")
+    with pytest.raises(TableError, match="ids 0..255"):
+        SharedPending.create(tmp_path / "p2").lane(0, lambda: 1).add(str(MAX_INSTANCES), 1.0)
+    assert SharedPending.open(tmp_path / "p2").cells("0", 1) == [0.0]
+
+
+def test_two_workers_with_their_own_journals_price_each_others_pending_prefill(files, tmp_path):
+    """Two cost-model policies (two workers: their own journals, the shared prefix index, the
+    global in-flight counts, the shared pending file). Worker 0 routes a long unique prompt; worker
+    1 then prices a short one where the other instance has a request more. Sharing the pending
+    prefill, worker 1 avoids the instance busy with worker 0's prefill, as worker 0 does; with
+    journals of their own only, it takes the instance with fewer requests."""
+    table, pending = files
+    clock = Clock()
+    eng = Engines(2, clock)
+    index = SharedPrefixIndex.create(tmp_path / "prefixes", slots=1 << 10, clock=clock)
+    inflight = GlobalInflight(table)
+
+    def worker(slot: int, share: bool) -> CostModel:
+        journal = Journal(pending.lane(slot, table.rows) if share else None)
+        return CostModel(random.Random(slot), clock=clock, index=index, journal=journal)
+
+    for share in (True, False):
+        pending.clear_worker(0)
+        a, b = worker(0, share), worker(1, share)
+        for p in (a, b):
+            p.choose(eng.backends, (), {})
+            p.choose(eng.backends, (), {}, RouteHints.from_prompt("warm-up " * 250))
+        eng.scrape(60)
+        long_prompt = RouteHints.from_prompt(f"unique long prompt {share} " * 600)
+        busy = a.choose(eng.backends, (), inflight.of(eng.backends), long_prompt).instance_id
+        short = RouteHints.from_prompt(f"a short prompt of its own {share}")
+        # the other instance has a request in flight (free slots: it costs a tie-break only)
+        counts = {iid: 0 if iid == busy else 1 for iid in inflight.of(eng.backends)}
+        assert a._evaluate(eng.backends, (), counts, short, clock.t)[0].iid != busy
+        b_pick = b._evaluate(eng.backends, (), counts, short, clock.t)[0].iid
+        assert (b_pick != busy) is share
+    index.close()
+
+
+def test_shared_pending_changes_nothing_for_one_worker(files):
+    """A worker alone (the others' cells empty) decides as without the file: the same picks
+    and estimates over a run of mixed prompts."""
+    table, pending = files
+    runs = []
+    for share in (False, True):
+        clock = Clock()
+        eng = Engines(4, clock)
+        journal = Journal(pending.lane(0, table.rows) if share else None)
+        policy = CostModel(random.Random(3), clock=clock, journal=journal)
+        policy.choose(eng.backends, (), {})
+        policy.choose(eng.backends, (), {}, RouteHints.from_prompt("warm-up " * 250))
+        eng.scrape(60)
+        rng = random.Random(7)
+        picks = []
+        for k in range(200):
+            h = hints(rng.randrange(6), f"q{k}") if k % 3 else RouteHints.from_prompt(f"u{k} " * rng.randint(1, 900))
+            picks.append((policy.choose(eng.backends, (), {}, h).instance_id, policy.last_decision.estimate_s))
+            clock.t += 0.01
+            if k % 10 == 0:
+                eng.scrape()
+        runs.append(picks)
+    assert runs[0] == runs[1]
