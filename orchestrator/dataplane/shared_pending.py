@@ -106,9 +106,9 @@ class PendingLane:
     def of(self, backends: Sequence[Any]) -> dict[str, float]:
         """instance id -> the prompt tokens the other workers routed there and did not see
         prefilled yet, for these instances (anything with an `instance_id`; ids the file has no
-        column for are left out; empty while no other worker's row is in use). Read together, as
-        the in-flight counts are (shared_table's `inflight_span`): one struct unpack per other
-        worker's row over the instances' span, added lane by lane."""
+        column for are left out; empty while no other worker has anything pending at them).
+        Read together, as the in-flight counts are (shared_table's `inflight_span`): one struct
+        unpack per other worker's row over the instances' span, added lane by lane."""
         if backends is not self._of:
             index = {}
             for b in backends:
@@ -132,6 +132,9 @@ class PendingLane:
                 cells = unpack(mm, off + row * _ROW_BYTES)
                 values = cells if values is None else map(add, values, cells)
         if values is None:
+            return {}
+        values = list(values)
+        if not any(values):  # nothing pending elsewhere: nothing for the choice to add per instance
             return {}
         out = dict(zip(ids_at, values))
         out.pop(None, None)  # type: ignore[call-overload]

@@ -22,11 +22,11 @@ total wins.
   instance's cache has likely evicted since: the blocks routed there after the prefix
   (journal.py's WriteLog) push it out once the free pool's older blocks are gone, unless the
   request that carried it still runs (cost_model.cached_blocks). Since when: the index's own
-  times where it keeps them (an in-process PrefixIndex), else the journal's (the data-plane
-  workers' shared index knows only who holds a chunk: without the journal's times every
-  prefix it ever named counted as cached, and on caches that hold few prefixes the model
-  kept sending tenants to copies long evicted; routing_sim s8/room4/uniform/r1 with the
-  shared index: TTFT p90 12.6 s and 1.0 s, KV hit 0.68 and 0.83 over two seeds, against 0.52
+  times (the in-process PrefixIndex, and the data-plane workers' shared one, which keeps the
+  last routing by any worker), else the journal's. An index without times made every prefix
+  it ever named count as cached, and on caches that hold few prefixes the model kept sending
+  tenants to copies long evicted (routing_sim s8/room4/uniform/r1 with the shared index before
+  it kept times: TTFT p90 12.6 s and 1.0 s, KV hit 0.68 and 0.83 over two seeds, against 0.52
   and 0.33 s, 0.92 with the journal's times; the real twin's run 20261125T045811Z, before
   this, 1266 ms and 0.88).
 - Rates come from the engines' own scrapes (cost_model.RateBook), so the trade between a
