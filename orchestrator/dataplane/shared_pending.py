@@ -11,7 +11,10 @@ One writer per cell, as in the shared table (shared_table.py): a worker adds to 
 from its event loop, readers add the column, so every worker prices the prefill queued at an
 instance by all of them. Before, each worker's ledger held its own routings only: with N
 workers each saw about 1/N of the prefill queued there, and the workers' estimates (and picks)
-for the same request differed by the others' share.
+for the same request differed by the others' share. A ledger drops an entry at its estimated
+first token when it next looks (its worker's next choice over that instance), so a prefill
+running late stays in the cell until then or until its first token comes: the other workers
+may count it a little longer than its own worker does.
 
 A separate file and not a lane of the shared table, so a table of an older data plane (adopted
 by live restore) keeps its layout: a worker that finds no such file keeps its ledger to itself,
