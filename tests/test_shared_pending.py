@@ -89,9 +89,13 @@ def test_a_file_of_another_layout_is_refused(tmp_path):
         SharedPending.open(tmp_path / "pending")
     with pytest.raises(TableError, match="cannot open"):
         SharedPending.open(tmp_path / "missing")
+    made = SharedPending.create(tmp_path / "p2")
     with pytest.raises(TableError, match="ids 0..255"):
-        SharedPending.create(tmp_path / "p2").lane(0, lambda: 1).add(str(MAX_INSTANCES), 1.0)
-    assert SharedPending.open(tmp_path / "p2").cells("0", 1) == [0.0]
+        made.lane(0, lambda: 1).add(str(MAX_INSTANCES), 1.0)
+    made.close()
+    opened = SharedPending.open(tmp_path / "p2")
+    assert opened.cells("0", 1) == [0.0]
+    opened.close()
 
 
 def test_two_workers_with_their_own_journals_price_each_others_pending_prefill(files, tmp_path):
