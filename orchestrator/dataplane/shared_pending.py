@@ -33,13 +33,12 @@ from operator import add
 from pathlib import Path
 from typing import Any
 
-from orchestrator.dataplane.shared_table import (MAX_INSTANCES, MAX_WORKERS, TableError, create_mapped, instance_index,
-                                                open_mapped)
+from orchestrator.dataplane.shared_table import (MAX_INSTANCES, MAX_WORKERS, TableError, create_sized, instance_index,
+                                                open_sized)
 
 MAGIC = 0x7472746C6C706E31  # "trtllpn1"
 LAYOUT_VERSION = 1
-_HEADER = struct.Struct("=QIII")
-_HEADER_SIZE = 64
+_HEADER_SIZE = 64  # as the shared table's (shared_table.create_sized)
 SIZE = _HEADER_SIZE + 8 * MAX_WORKERS * MAX_INSTANCES
 _ROW_BYTES = 8 * MAX_INSTANCES  # one worker's row
 
@@ -53,17 +52,11 @@ class SharedPending:
     @classmethod
     def create(cls, path: Path) -> "SharedPending":
         """A zeroed file (the daemon, with the shared table). Owner-only, as the table."""
-        mm = create_mapped(path, SIZE)
-        _HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES)
-        return cls(path, mm)
+        return cls(path, create_sized(path, SIZE, MAGIC, LAYOUT_VERSION))
 
     @classmethod
     def open(cls, path: Path) -> "SharedPending":
-        mm = open_mapped(path, "pending-prefill file", SIZE.__eq__)
-        if _HEADER.unpack_from(mm, 0) != (MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES):
-            mm.close()
-            raise TableError(f"{path}: not a pending-prefill file of this layout")
-        return cls(path, mm)
+        return cls(path, open_sized(path, "pending-prefill file", SIZE, MAGIC, LAYOUT_VERSION))
 
     def close(self) -> None:
         self._f64.release()

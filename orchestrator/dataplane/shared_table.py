@@ -91,6 +91,25 @@ def open_mapped(path: Path, what: str, size: Callable[[int], bool]) -> mmap.mmap
         os.close(fd)
 
 
+def create_sized(path: Path, size: int, magic: int, version: int) -> mmap.mmap:
+    """`create_mapped`, headed (magic, version, MAX_WORKERS, MAX_INSTANCES): a file whose cells
+    are [worker][instance] (this table, dataplane/shared_pending.py)."""
+    mm = create_mapped(path, size)
+    _HEADER.pack_into(mm, 0, magic, version, MAX_WORKERS, MAX_INSTANCES)
+    return mm
+
+
+def open_sized(path: Path, what: str, size: int, magic: int, version: int) -> mmap.mmap:
+    """A file `create_sized` made with these `size`, `magic` and `version`, mapped; a TableError
+    naming `what` for any other."""
+    mm = open_mapped(path, what, size.__eq__)
+    found, found_version, workers, instances = _HEADER.unpack_from(mm, 0)
+    if (found, found_version, workers, instances) != (magic, version, MAX_WORKERS, MAX_INSTANCES):
+        mm.close()
+        raise TableError(f"{path}: not a {what} of this layout (version {found_version})")
+    return mm
+
+
 def instance_index(instance_id: str) -> int:
     """Instance ids are their plan position ("0", "1", ...): the column in every row."""
     i = int(instance_id)
@@ -111,19 +130,12 @@ class SharedTable:
     @classmethod
     def create(cls, path: Path) -> "SharedTable":
         """A zeroed table (the daemon, at `up`). Owner-only: it says who serves what."""
-        mm = create_mapped(path, SIZE)
-        _HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES)
-        return cls(path, mm)
+        return cls(path, create_sized(path, SIZE, MAGIC, LAYOUT_VERSION))
 
     @classmethod
     def open(cls, path: Path) -> "SharedTable":
         """The table of a running data plane (a worker, or a daemon adopting one)."""
-        mm = open_mapped(path, "data-plane table", SIZE.__eq__)
-        magic, version, workers, instances = _HEADER.unpack_from(mm, 0)
-        if (magic, version, workers, instances) != (MAGIC, LAYOUT_VERSION, MAX_WORKERS, MAX_INSTANCES):
-            mm.close()
-            raise TableError(f"{path}: not a data-plane table of this layout (version {version})")
-        return cls(path, mm)
+        return cls(path, open_sized(path, "data-plane table", SIZE, MAGIC, LAYOUT_VERSION))
 
     def close(self) -> None:
         for view in (self._i32, self._f64, self._i64):

@@ -169,8 +169,8 @@ class InflightHistory:
         would otherwise pay for every candidate's new terms within its decisions. Only once the
         clock is past the snapshot's time (notes are made at `now`: none can join those at or
         before it after that); one delivered at its own instant is worked out by the next decision."""
-        if snap.at < now and snap.iteration is not None:
-            self._terms[instance_id] = _snapshot_terms(snap, self._series.get(instance_id))
+        if snap.iteration is not None:
+            _snapshot_terms(self._terms, instance_id, snap, self._series.get(instance_id), now)
 
     def note_choice(self, now: float, chosen: str, count: int) -> None:
         """The chosen instance's count with its new request; the candidates' counts as read were
@@ -219,12 +219,18 @@ class _Series:
         return self.counts[i] if i >= self.start else None
 
 
-def _snapshot_terms(snap: EngineSnapshot, notes: "_Series | None") -> tuple[EngineSnapshot, int | None, int, float]:
+def _snapshot_terms(terms: dict[str, tuple[EngineSnapshot, int | None, int, float]], instance_id: str,
+                    snap: EngineSnapshot, notes: "_Series | None", now: float
+                    ) -> tuple[EngineSnapshot, int | None, int, float]:
     """What `_counted` needs of a snapshot alone: (it, our count when it was taken by `notes`, the
-    requests its engine holds, its KV term)."""
+    requests its engine holds, its KV term); kept in `terms` only once the clock is past the
+    snapshot's time (notes are made at `now`: none can join those at or before it after that)."""
     kv_max = snap.kv_max
-    return (snap, None if notes is None else notes.at(snap.at), snap.active + snap.pending,
-            KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
+    t = (snap, None if notes is None else notes.at(snap.at), snap.active + snap.pending,
+         KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
+    if snap.at < now:
+        terms[instance_id] = t
+    return t
 
 
 def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
@@ -251,13 +257,10 @@ def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
             else:
                 # What depends on the snapshot alone, worked out once per snapshot (16 candidates
                 # a choice, a snapshot per 100 ms): our count when it was taken, its requests, its
-                # KV term. Kept only once the clock is past its time: notes are made at `now`, so
-                # none can join those at or before it after that.
+                # KV term.
                 t = terms.get(iid)
                 if t is None or t[0] is not snap:  # not primed as it arrived (InflightHistory.prime)
-                    t = _snapshot_terms(snap, s)
-                    if snap.at < now:
-                        terms[iid] = t
+                    t = _snapshot_terms(terms, iid, snap, s, now)
                 then = t[1]
                 foreign = t[2] - (ours if then is None else then)
                 n = float(ours + foreign if foreign > 0 else ours)
