@@ -27,7 +27,9 @@ a subset of the same cells on the real twin to check the simulator against it.
 Output: a table per cell and bench/results/routing_sim-<stamp>.{json,png} (`--no-write` to skip,
 `--out DIR` to write them there, as every benchmark's `--out`). Progress on stderr, one
 line per cell and target. `--reuse` takes an earlier run's rows for the targets not in
-`--rerun` (a change to the cost model leaves the baselines as they were).
+`--rerun` (a change to the cost model leaves the baselines as they were). Each row also says
+where the time went (`_where_time_went`): how far apart the picks left the instances' in-flight
+counts, and the TTFT of the requests that found most of their prompt cached against the rest.
 """
 
 from __future__ import annotations
@@ -218,9 +220,11 @@ def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy
         reasons[reason] = reasons.get(reason, 0) + 1
         decision = getattr(router, "last_decision", None)
         i = int(b.instance_id)
+        counts = [inflight.get(x.instance_id, 0) for x in backends]  # before this pick (imbalance)
         inflight[b.instance_id] = inflight.get(b.instance_id, 0) + 1
         ids = encode(prompt)
         rec = {"at": t, "ttft": None, "e2e": None, "i": i, "blocks": (len(ids) - 1) // rc.BLOCK, "reused": 0,
+               "above_least": counts[i] - min(counts), "spread": max(counts) - min(counts),
                "decision": decision, "est": decision.estimate_s if decision is not None else None,
                "cached_est": decision.cached_tokens if decision is not None else None, "session": session}
         recs.append(rec)
@@ -298,6 +302,7 @@ def summarize(cell, target, seconds, recs, window_tokens, reasons, decide_s, rou
            "kv_hit_rate": round(sum(r["reused"] for r in recs) / max(1, sum(r["blocks"] for r in recs)), 3),
            "share": [round(sum(1 for r in recs if r["i"] == i) / n, 3) for i in range(rc.INSTANCES)],
            "reasons": reasons, "decide_us_p50": round(statistics.median(decide_s) * 1e6, 1)}
+    out.update(_where_time_went(recs))
     est = [(r["est"], r["ttft"]) for r in recs if r["est"] is not None]
     if est:
         rel = sorted(abs(e - o) / o for e, o in est if o > 0)
@@ -315,6 +320,22 @@ def summarize(cell, target, seconds, recs, window_tokens, reasons, decide_s, rou
                         for iid, r in rates.items()}
         out["tokens_per_char"] = router.ratio.value
     return out
+
+
+def _where_time_went(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What tells a policy's losses apart: how far its picks leave the instances' in-flight
+    counts apart (`spread_mean`: the largest less the smallest at each pick; `above_least`:
+    picks of an instance with more in flight than the least), and the TTFT of requests that
+    found most of their prompt cached against those that computed most of it (a cached
+    request that still waits long waits for a slot or KV blocks, not for its prefill)."""
+    n = len(recs)
+    cached = [r["ttft"] * 1000 for r in recs if r["blocks"] and 2 * r["reused"] >= r["blocks"]]
+    computed = [r["ttft"] * 1000 for r in recs if r["blocks"] and 2 * r["reused"] < r["blocks"]]
+    return {"spread_mean": round(statistics.mean(r["spread"] for r in recs), 2) if n else None,
+            "above_least": round(sum(1 for r in recs if r["above_least"] > 0) / n, 3) if n else None,
+            "cached_share": round(len(cached) / max(1, len(cached) + len(computed)), 3),
+            "cached_ttft_p50_ms": pct(cached, 50), "cached_ttft_p90_ms": pct(cached, 90),
+            "computed_ttft_p50_ms": pct(computed, 50), "computed_ttft_p90_ms": pct(computed, 90)}
 
 
 def _run(args: tuple) -> dict[str, Any]:
