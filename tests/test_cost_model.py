@@ -194,7 +194,8 @@ def test_write_log_counts_what_was_routed_after_a_time():
         log.add(float(t), 2.0, horizon=1000)
     assert log.since(4.5) == (10.0, 5)
     assert log.since(9.0) == (0.0, 0)
-    assert log.since(-1.0) == (math.inf, 10)  # before the log: it cannot tell, so everything
+    # before the log, nothing dropped yet: it holds every routing of its own, all after -1
+    assert log.since(-1.0) == (20.0, 10)
 
 
 def test_write_log_forgets_beyond_its_horizon():
@@ -202,6 +203,7 @@ def test_write_log_forgets_beyond_its_horizon():
     for t in range(100):
         log.add(float(t), 10.0, horizon=50)
     assert log.since(0.5)[0] == math.inf
+    assert log.since(-1.0)[0] == math.inf  # before what it dropped: it cannot tell, so everything
     assert log.since(97.5) == (20.0, 2)
 
 

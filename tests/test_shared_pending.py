@@ -231,3 +231,32 @@ def test_workers_sharing_the_pending_prefill_decide_alike_far_more_often(tmp_pat
     the logs shared too, in one process)."""
     own, shared = _disagreement(tmp_path, False), _disagreement(tmp_path, True)
     assert own > 0.08 and shared < 0.04, (own, shared)
+
+
+def test_a_worker_that_starts_later_finds_the_prefixes_the_others_routed_cached(tmp_path):
+    """A prefix another worker routed to an instance before this worker's own first routing
+    there is cached for this worker too: its write log holds every routing of its own, all
+    after that time (journal.WriteLog.since). It used to count such a time as beyond its log,
+    judge the prefix evicted and send the tenant elsewhere (a `miss`), splitting it."""
+    clock = Clock()
+    eng = Engines(2, clock)
+    index = SharedPrefixIndex.create(tmp_path / "prefixes", slots=1 << 10, clock=clock)
+    a = CostModel(random.Random(0), clock=clock, index=index, journal=Journal())
+    a.choose(eng.backends, (), {})
+    a.choose(eng.backends, (), {}, RouteHints.from_prompt("warm-up " * 250))
+    eng.scrape(60)
+    holder = a.choose(eng.backends, (), {}, hints(3)).instance_id
+    other = next(x.instance_id for x in eng.backends if x.instance_id != holder)
+    # worker b starts now: its warm-up goes to the other instance, then its first routings to
+    # the holder come after worker a's routing of tenant 3 there (short questions: a few blocks)
+    clock.t += 0.01
+    b = CostModel(random.Random(1), clock=clock, index=index, journal=Journal())
+    b.choose(eng.backends, {holder}, {})
+    b.choose(eng.backends, {holder}, {}, RouteHints.from_prompt("warm-up " * 250))
+    eng.scrape(60)
+    for k in range(10):  # more than run there at once: the tenant's request no longer runs beside
+        b.choose(eng.backends, {other}, {}, RouteHints.from_prompt(f"question {k} of no tenant"))
+    clock.t += 0.01
+    assert b.choose(eng.backends, (), {}, hints(3, "Another question?")).instance_id == holder
+    assert b.last_reason == "hit" and b.last_decision.cached_tokens > 0
+    index.close()

@@ -35,11 +35,12 @@ class WriteLog:
     need computed there. The engine serves in arrival order, so what was routed after a prefix
     is what runs between that prefix's request and the next one (module doc: cached_blocks)."""
 
-    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests", "_seen")
+    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests", "_seen", "_trimmed")
 
     def __init__(self) -> None:
         self.blocks = 0.0
         self.requests = 0
+        self._trimmed = False  # entries dropped beyond the horizon: before them, unknown
         self._at: deque[float] = deque()
         self._blocks: deque[float] = deque()
         self._requests: deque[int] = deque()
@@ -74,15 +75,23 @@ class WriteLog:
             self._at.popleft()
             self._blocks.popleft()
             self._requests.popleft()
+            self._trimmed = True
 
     def since(self, t: float) -> tuple[float, int]:
-        """(blocks, requests) routed after monotonic time `t`; (inf, ...) beyond the log."""
+        """(blocks, requests) routed after monotonic time `t`; (inf, ...) beyond the log.
+
+        A time before the log's first entry is beyond it only once entries were dropped. Before
+        that the log holds every routing of its own, all of them after `t`: with several
+        data-plane workers `t` is often another worker's routing of the prefix from before this
+        worker's first one here (a worker just started or reloaded), and counting it as beyond
+        the log judged every such prefix evicted, so that worker sent its tenants elsewhere
+        (cost-model's `miss` picks on the real twin, tests/test_cost_model.py)."""
         at = self._at
         if not at or t >= at[-1]:
             return 0.0, 0
         i = bisect_right(at, t)
         if i == 0:
-            return math.inf, self.requests
+            return (math.inf if self._trimmed else self.blocks), self.requests
         return self.blocks - self._blocks[i - 1], self.requests - self._requests[i - 1]
 
 
