@@ -168,6 +168,20 @@ def test_reasons_without_a_prompt_and_before_rates():
     assert policy.choose(eng.backends, (), {holder: 5}, hints(3, "again")).instance_id == holder
 
 
+def test_before_any_engine_numbers_a_holder_keeps_its_prefix():
+    """An engine exports no iteration or KV numbers before its first iteration: a burst at
+    start-up still finds the instance a tenant's first request went to (it used to count no
+    holder without the engine's block size, and spread the tenant by load)."""
+    clock = Clock()
+    eng = Engines(2, clock)  # views without a snapshot
+    policy = CostModel(random.Random(1), clock=clock)
+    holder = policy.choose(eng.backends, (), {}, hints(3)).instance_id
+    assert policy.last_reason == MISS
+    other = "1" if holder == "0" else "0"
+    assert policy.choose(eng.backends, (), {holder: 1, other: 0}, hints(3, "again")).instance_id == holder
+    assert policy.last_reason == HIT and policy.last_decision.cached_tokens > 0
+
+
 def test_an_evicted_prefix_is_not_counted_as_cached():
     policy, eng, clock = learnt()
     holder = policy.choose(eng.backends, (), {}, hints(4)).instance_id
