@@ -16,7 +16,9 @@ start time and context tokens, the input/output histograms' sums and count); `ng
 least_conn (fewest in flight, ties in turn), `least-outstanding` ties at random. The
 cost model is told each request's observed TTFT, as the proxy tells it. The prompt-aware
 policies get the prefix index the data-plane workers share (dataplane/shared_prefix.py, as
-`up --proxy embedded` runs them; `--index local`: a policy's own PrefixIndex).
+`up --proxy embedded` runs them; `--index local`: a policy's own PrefixIndex). A target
+`POLICY@N` (e.g. `cost-model@4`, what `--proxy-workers auto` gives on 16 cores) runs the policy
+as N data-plane workers: each request to one at random, each keeping its own journal.
 
 Faithful to: the engine's scheduling, KV accounting and eviction, timing in the twin's model,
 the scrape cadence. Not modelled: CPU (the real twin's iterations stretch when its host is
@@ -55,10 +57,12 @@ from typing import Any
 from bench import routing_cells as rc
 from bench.common import machine, pct, table, write_result
 from bench.decision_cost import measure
+from orchestrator.dataplane.shared_pending import SharedPending
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.balancer import POLICIES
+from orchestrator.routing.journal import Journal
 from orchestrator.routing.llm_policies import RouteHints
 
 from tests.harness import DEMO_REPO
@@ -104,10 +108,57 @@ class StaticPartition:
         return backends[int(m.group(1)) % len(backends)]
 
 
+class Workers:
+    """`policy@N`: N data-plane workers' policies of one kind, each request to one of them at
+    random (as the kernel spreads connections), sharing what the product's workers share (the
+    in-flight counts, the prefix index, cost-model's pending prefill) and each keeping its own
+    journal and learnt state. The summary reads the first one's rates."""
+
+    def __init__(self, policies: list[Any], rng: random.Random) -> None:
+        self.policies = policies
+        self._rng = rng
+        self.last_reason = ""
+        self.last_decision = None
+
+    def choose(self, backends, skip, inflight, hints=None):
+        policy = self._rng.choice(self.policies)
+        b = policy.choose(backends, skip, inflight, hints)
+        self.last_reason = getattr(policy, "last_reason", "")
+        self.last_decision = getattr(policy, "last_decision", None)
+        return b
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policies[0], name)
+
+
+def _workers(target: str, n: int, rng: random.Random, clock, policy_kw: dict | None, index_dir: str | None) -> Workers:
+    cls = POLICIES[target]
+    params = inspect.signature(cls).parameters
+    shared: dict[str, Any] = {}
+    if index_dir is not None and "index" in params:
+        shared["index"] = SharedPrefixIndex.create(Path(index_dir) / "prefixes", clock=clock)
+    files: list[SharedPending] = []
+    if index_dir is not None and "journal" in params:  # pending prefill, routed blocks and requests
+        files = [SharedPending.create(Path(index_dir) / name) for name in ("pending", "blocks", "requests")]
+    policies = []
+    for k in range(n):
+        kw = dict(policy_kw or {}, **shared)
+        if files:
+            lanes = [f.lane(k, lambda: n) for f in files]
+            kw["journal"] = Journal(lanes[0], (lanes[1], lanes[2]))
+        own = random.Random(rng.random())
+        policies.append(cls(own) if target in ("least-outstanding", "round-robin") else cls(own, clock=clock, **kw))
+    return Workers(policies, rng)
+
+
 def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None = None, index_dir: str | None = None):
     """The target's router. With `index_dir`, a policy that takes a prefix index gets the one the
     data-plane workers share (dataplane/shared_prefix.py, a file there), as `up --proxy embedded`
-    runs it; without, the in-process PrefixIndex of a policy left to itself."""
+    runs it; without, the in-process PrefixIndex of a policy left to itself. `policy@N`: that
+    policy as N data-plane workers (`Workers`)."""
+    base, _, n = target.partition("@")
+    if n:
+        return _workers(base, int(n), rng, clock, policy_kw, index_dir)
     if target == "nginx":
         return NginxLeastConn(rng)
     if target == "partition":

@@ -153,6 +153,15 @@ def test_every_pick_of_a_generation_reaches_the_cost_model_and_its_metrics(orch_
     finally:
         pending.close()
     assert cells == [0.0] * 4
+    # the workers' routed requests (cost-model's write logs, shared): owner-only, each pick made
+    # once its instance's engine had reported numbers counted once, whichever worker made it
+    routed = [SharedPending.open(run.state_dir / "dataplane" / name) for name in ("routed-blocks", "routed-requests")]
+    try:
+        assert all(stat.S_IMODE(f.path.stat().st_mode) == 0o600 for f in routed)
+        assert 0 < sum(routed[1].cells("0", 2) + routed[1].cells("1", 2)) <= n
+    finally:
+        for f in routed:
+            f.close()
 
 
 def test_llm_metrics_match_what_the_client_measured(orch_run):

@@ -179,6 +179,14 @@ def test_live_restore_of_a_data_plane_without_the_file_makes_one_and_leaves_anot
     opened.close()
     path.write_bytes(b"other layout")
     assert pool._adopt_pending() is None and path.read_bytes() == b"other layout"
+    # the routed-block files: made where missing, left as they are where present
+    from orchestrator.dataplane.worker import routed_paths
+    blocks, requests = routed_paths(tmp_path)
+    blocks.write_bytes(b"kept")
+    pool._adopt_routed()
+    made = SharedPending.open(requests)
+    assert blocks.read_bytes() == b"kept" and made.cells("0", 1) == [0.0]
+    made.close()
 
 
 def _disagreement(tmp_path, share: bool, steps: int = 600) -> float:
@@ -260,3 +268,65 @@ def test_a_worker_that_starts_later_finds_the_prefixes_the_others_routed_cached(
     assert b.choose(eng.backends, (), {}, hints(3, "Another question?")).instance_id == holder
     assert b.last_reason == "hit" and b.last_decision.cached_tokens > 0
     index.close()
+
+
+def _routed(tmp_path, rows: int = 2):
+    files = [SharedPending.create(tmp_path / name) for name in ("routed-blocks", "routed-requests")]
+    journals = [Journal(routed=(files[0].lane(k, lambda: rows), files[1].lane(k, lambda: rows))) for k in range(rows)]
+    return files, journals
+
+
+def test_write_logs_count_every_workers_routings_since_a_time(tmp_path):
+    """Each worker's write log reads what every worker routed there since a time: the totals now
+    less those noted around it, interpolated (journal.WriteLog with `shared`)."""
+    files, (a, b) = _routed(tmp_path)
+    la, lb = a.log("1"), b.log("1")
+    la.add(10.0, 4.0, horizon=1000)       # worker a routes 4 blocks at t=10
+    lb.add(11.0, 6.0, horizon=1000)       # worker b 6 at t=11
+    la.add(12.0, 2.0, horizon=1000)       # a 2 at t=12
+    lb.add(13.0, 8.0, horizon=1000)       # b 8 at t=13
+    # since t=12 (a's own routing, noted by a): b's 8 blocks and 1 request after it
+    assert la.since(12.0) == (8.0, 1)
+    # since t=11 (b's routing, which a did not note): a's notes at 10 (4) and 12 (4+6+2),
+    # interpolated halfway: 8 -> 20 - 8 = 12 blocks, about a's 2 and b's 8 after it
+    assert la.since(11.0)[0] == pytest.approx(12.0)
+    # an engine snapshot notes the totals without a routing of its own
+    lb.add(14.0, 10.0, horizon=1000)
+    la.sample(14.5, horizon=1000)
+    assert la.since(14.5) == (0.0, 0)
+    # t=13 lies between a's notes at 12 (12 blocks) and 14.5 (30): 30 - 19.2; b's 10 at t=14 exactly
+    assert la.since(13.0)[0] == pytest.approx(10.8)
+    # alone (no shared lanes) a worker's log counts its own: a's 2 blocks since t=11
+    alone = Journal().log("1")
+    for t, blocks in ((10.0, 4.0), (12.0, 2.0)):
+        alone.add(t, blocks, horizon=1000)
+    assert alone.since(11.0) == (2.0, 1)
+    for f in files:
+        f.close()
+
+
+def test_a_worker_prices_the_blocks_other_workers_routed_over_a_prefix(tmp_path):
+    """Worker a routes tenant 3 to an instance; worker b then routes long prompts there, enough
+    to push the prefix out of its cache. With the routed blocks shared, worker a judges the
+    prefix gone (a `miss`); with logs of their own it still counted it cached."""
+    for share in (True, False):
+        clock = Clock()
+        eng = Engines(2, clock)
+        index = SharedPrefixIndex.create(tmp_path / f"prefixes-{share}", slots=1 << 10, clock=clock)
+        files, journals = _routed(tmp_path) if share else ([], [Journal(), Journal()])
+        a, b = (CostModel(random.Random(k), clock=clock, index=index, journal=journals[k]) for k in (0, 1))
+        for p in (a, b):
+            p.choose(eng.backends, (), {})
+            p.choose(eng.backends, (), {}, RouteHints.from_prompt("warm-up " * 250))
+        eng.scrape(60)
+        holder = a.choose(eng.backends, (), {}, hints(3)).instance_id
+        other = next(x.instance_id for x in eng.backends if x.instance_id != holder)
+        for k in range(12):  # 12 unique prompts of ~47 blocks each: past the free pool (206 blocks)
+            clock.t += 0.01
+            b.choose(eng.backends, {other}, {}, RouteHints.from_prompt(f"long unique {k} {share} " * 200))
+        clock.t += 0.01
+        a.choose(eng.backends, (), {}, hints(3, "again?"))
+        assert (a.last_decision.cached_tokens == 0) is share
+        index.close()
+        for f in files:
+            f.close()

@@ -11,16 +11,17 @@ every shrink at reload would refuse a few clients under load; a shared socket
 never closes while the run lives. Workers run with libuv's single-accept mode, so
 an idle worker is not outraced to a burst of connections by a busy one.
 
-It owns: the sockets, the shared table, prefix index and pending-prefill file (created zeroed at
-start), the feed server,
-one supervising task per slot, the worker processes. It publishes to the workers,
+It owns: the sockets, the shared table, prefix index, pending-prefill and routed-block files
+(created zeroed at start), the feed server, one supervising task per slot, the worker
+processes. It publishes to the workers,
 over the feed, what the daemon owns: membership (on every change), each ready
 instance's engine snapshots (as scraped), the settings (at reload). It takes from
 them passive health reports, which go to the instance's own PassiveHealth, and
 their per-second stats (for `status` and `top`).
 
 A worker that exits unasked is replaced in its slot (its rows of the table and pending file are
-cleared first: what it had in flight died with its connections); one that dies
+cleared first: what it had in flight died with its connections; its routed blocks stay, the
+cumulative counts the other workers' write logs read); one that dies
 again within STABLE_S of its start waits a growing backoff, as engines do.
 """
 
@@ -52,7 +53,7 @@ from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_pending import SharedPending
 from orchestrator.dataplane.shared_table import SharedTable, TableError, instance_index
 from orchestrator.dataplane.worker import (dataplane_dir, feed_path, handover_path, pending_path, prefix_path,
-                                           table_path)
+                                           routed_paths, table_path)
 from orchestrator.errors import OrchError
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
@@ -139,6 +140,15 @@ class WorkerPool:
         self._table = SharedTable.create(table_path(self._state_dir))
         SharedPrefixIndex.create(prefix_path(self._state_dir)).close()  # the workers map it
         self._pending = SharedPending.create(pending_path(self._state_dir))
+        for path in routed_paths(self._state_dir):  # the workers map them; nobody clears them
+            SharedPending.create(path).close()
+
+    def _adopt_routed(self) -> None:
+        """Routed-block files where a daemon without them left none: the workers started from now
+        on share their write logs (the adopted ones keep their own)."""
+        for path in routed_paths(self._state_dir):
+            if not path.exists():
+                SharedPending.create(path).close()
 
     def _adopt_pending(self) -> SharedPending | None:
         """The adopted workers' pending-prefill file; made where a daemon without it left none (the
@@ -171,6 +181,7 @@ class WorkerPool:
             await self._stop_strays()
             return False
         self._pending = self._adopt_pending()
+        self._adopt_routed()
         for w in self._adopt:
             slot = self._slots[w.slot] = _Slot(w.slot)
             slot.proc = AdoptedProcess(w.pid, w.create_time)

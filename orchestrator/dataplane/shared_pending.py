@@ -99,6 +99,14 @@ class PendingLane:
             cell = self._cells[instance_id] = SharedPending._cell(self._worker, instance_index(instance_id))
         self._f64[cell] += tokens
 
+    def total(self, instance_id: str) -> float:
+        """What every worker in use added to the instance's cells, this one's included."""
+        col = self._cells.get(instance_id)
+        if col is None:
+            col = self._cells[instance_id] = SharedPending._cell(self._worker, instance_index(instance_id))
+        col -= self._worker * MAX_INSTANCES
+        return sum(self._f64[col:col + self._rows() * MAX_INSTANCES:MAX_INSTANCES])
+
     def of(self, backends: Sequence[Any]) -> dict[str, float]:
         """instance id -> the prompt tokens the other workers routed there and did not see
         prefilled yet, for these instances (anything with an `instance_id`; ids the file has no

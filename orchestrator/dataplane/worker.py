@@ -79,6 +79,13 @@ def pending_path(state_dir: Path) -> Path:
     return dataplane_dir(state_dir) / "pending"
 
 
+def routed_paths(state_dir: Path) -> tuple[Path, Path]:
+    """The workers' cumulative prompt blocks and requests routed to each instance (cost-model's
+    write logs, routing/journal.py's WriteLog): shared_pending.py's layout, never cleared while
+    the data plane lives (a replaced worker adds on to its row)."""
+    return dataplane_dir(state_dir) / "routed-blocks", dataplane_dir(state_dir) / "routed-requests"
+
+
 def handover_path(state_dir: Path) -> Path:
     """Where a new daemon takes the listening sockets from a worker (SCM_RIGHTS)."""
     return dataplane_dir(state_dir) / "handover.sock"
@@ -98,6 +105,7 @@ class Worker:
         self.started = time.time()
         self._away_task: asyncio.Task[None] | None = None  # the away prober, while no daemon is there
         self.pending: SharedPending | None = None  # the workers' pending prefill (shared_pending.py)
+        self.routed: tuple[SharedPending, SharedPending] | None = None  # routed blocks, requests
 
     async def run(self) -> int:
         from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read
@@ -110,6 +118,7 @@ class Worker:
         self.table = table
         self.prefixes = SharedPrefixIndex.open(prefix_path(self.state_dir))
         self.pending = self._open_pending(table)
+        self.routed = self._open_routed()
         backends = ReadyBackends()
         self.feed = FeedClient(feed_path(self.state_dir), self._hello, self._on_message,
                                self._on_connection, self._log)
@@ -158,6 +167,16 @@ class Worker:
         pending.clear_worker(self.slot)
         return pending
 
+    def _open_routed(self) -> tuple[SharedPending, SharedPending] | None:
+        """The workers' routed blocks and requests; None where the data plane has none (an older
+        daemon's, adopted): the write logs stay this worker's own."""
+        try:
+            blocks, requests = (SharedPending.open(path) for path in routed_paths(self.state_dir))
+        except TableError as exc:
+            self._log.warning("data-plane worker %d: %s: routed blocks not shared", self.slot, exc)
+            return None
+        return blocks, requests
+
     def _make_proxies(self, backends: ReadyBackends, metrics: Any, table: SharedTable) -> list[Any]:
         from orchestrator.dataplane.embedded import EmbeddedProxy
         slot = self.slot
@@ -166,7 +185,10 @@ class Worker:
         # index and the prefill pending at each instance (HTTP and gRPC alike, so a prefix sent
         # by either lands together; one journal for both).
         lane = self.pending.lane(slot, table.rows) if self.pending is not None else None
-        shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane))
+        routed = None
+        if self.routed is not None:
+            routed = (self.routed[0].lane(slot, table.rows), self.routed[1].lane(slot, table.rows))
+        shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane, routed))
         proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,
                                             sockets=self._sockets, tally=lambda: table.add_requests(slot),
                                             accept_share=AcceptShare(table, slot))]

@@ -53,12 +53,13 @@ total wins.
   prefix split there stays split). With a stale
   snapshot (or no TRT-LLM metrics) the requests there are ours alone.
 
-The data-plane workers share the snapshots, the global in-flight counts, the prefix index and
-the prompt tokens pending prefill at each instance (journal.Pending over
-dataplane/shared_pending.py). The rest of the journal is each worker's own: the blocks it routed
-to each instance since a prefix (the eviction estimate, which misses the other workers' blocks,
-so a prefix looks cached longer than it is), the token ratio's prompt lengths and the estimates'
-error. Workers decide alike only as far as those agree.
+The data-plane workers share the snapshots, the global in-flight counts, the prefix index, the
+prompt tokens pending prefill at each instance (journal.Pending over dataplane/shared_pending.py)
+and the blocks and requests routed to each instance (journal.WriteLog over two more such files:
+the eviction estimate counts every worker's routings since a prefix; with each worker's own, a
+prefix looked cached long after the others' blocks had pushed it out). The rest of the journal
+is each worker's own: the token ratio's prompt lengths and the estimates' error. Workers decide
+alike only as far as those agree.
 
 Each choice leaves `last_reason` (the routing-decision counters: `hit` where the chosen
 instance holds the most of the prompt, `spill` where another holds more, `miss` where none
@@ -180,6 +181,8 @@ class CostModel:
             inst = self._insts.get(iid)
             if inst is not None and snap.has_engine:
                 self._refresh(inst, snap)
+                # every worker's routings there so far, noted for the write log's "since"
+                inst.log.sample(self._clock(), 2.0 * (inst.kv_blocks or 1))
         except Exception:  # noqa: BLE001 - a learning bug must not break the engine monitor
             self.learn_errors += 1
 
