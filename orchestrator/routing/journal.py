@@ -51,10 +51,9 @@ class WriteLog:
     time is the totals now less the totals then, interpolated between the notes around it.
     Alone, a worker counted its own routings only, about 1/N of the blocks pushing a prefix out,
     and kept sending tenants to caches that had lost them: routing_sim, s8/room4/uniform/r1 with
-    4 workers TTFT p90 4963 ms with logs of their own, 619 ms with one log (one worker: 631)."""
+    4 workers TTFT p90 4963 ms with logs of their own, 694 ms sharing them (one worker: 631)."""
 
-    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests", "_seen", "_trimmed", "_shared", "_iid",
-                 "_own_blocks", "_own_requests")
+    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests", "_seen", "_trimmed", "_shared", "_iid")
 
     def __init__(self, shared: "tuple[RoutedShare, RoutedShare] | None" = None, instance_id: str = "") -> None:
         self.blocks = 0.0  # cumulative: this worker's, or every worker's with `shared` (as last noted)
@@ -130,9 +129,9 @@ class WriteLog:
         worker's first one here (a worker just started or reloaded), and counting it as beyond
         the log judged every such prefix evicted, so that worker sent its tenants elsewhere
         (cost-model's `miss` picks on the real twin, tests/test_cost_model.py)."""
-        at = self._at
         if self._shared is not None:
             return self._shared_since(t)
+        at = self._at
         if not at or t >= at[-1]:
             return 0.0, 0
         i = bisect_right(at, t)
