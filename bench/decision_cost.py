@@ -87,13 +87,13 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
         pending = SharedPending.create(tmp / "pending")
         for i in range(instances):  # prompt tokens other workers routed and did not see prefilled
             pending.lane(1 + i % (WORKER_ROWS - 1), table.rows).add(str(i), 500.0 * (i % 3))
-        journal = Journal(pending.lane(0, table.rows))
+        lane = pending.lane(0, table.rows)
+        routed = tuple(SharedPending.create(tmp / name).lane(0, table.rows)
+                       for name in ("routed-blocks", "routed-requests"))
         try:  # and the workers' routed blocks and requests (the write logs), where the tree shares them
-            routed = [SharedPending.create(tmp / name) for name in ("routed-blocks", "routed-requests")]
-            journal = Journal(pending.lane(0, table.rows), (routed[0].lane(0, table.rows),
-                                                            routed[1].lane(0, table.rows)))
+            journal = Journal(lane, routed)
         except TypeError:
-            pass
+            journal = Journal(lane)
         shared = shared._replace(journal=journal)
     except ImportError:
         pass

@@ -93,18 +93,19 @@ class PendingLane:
         self._of: Sequence[Any] | None = None  # the ready set `of` last read, and its span
         self._span: tuple[int, int, list[str | None], struct.Struct] = (0, 0, [], struct.Struct("="))
 
-    def add(self, instance_id: str, tokens: float) -> None:
+    def _own(self, instance_id: str) -> int:
+        """This worker's cell of the instance."""
         cell = self._cells.get(instance_id)
         if cell is None:
             cell = self._cells[instance_id] = SharedPending._cell(self._worker, instance_index(instance_id))
-        self._f64[cell] += tokens
+        return cell
+
+    def add(self, instance_id: str, tokens: float) -> None:
+        self._f64[self._own(instance_id)] += tokens
 
     def total(self, instance_id: str) -> float:
         """What every worker in use added to the instance's cells, this one's included."""
-        col = self._cells.get(instance_id)
-        if col is None:
-            col = self._cells[instance_id] = SharedPending._cell(self._worker, instance_index(instance_id))
-        col -= self._worker * MAX_INSTANCES
+        col = self._own(instance_id) - self._worker * MAX_INSTANCES
         return sum(self._f64[col:col + self._rows() * MAX_INSTANCES:MAX_INSTANCES])
 
     def of(self, backends: Sequence[Any]) -> dict[str, float]:

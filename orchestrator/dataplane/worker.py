@@ -170,12 +170,16 @@ class Worker:
     def _open_routed(self) -> tuple[SharedPending, SharedPending] | None:
         """The workers' routed blocks and requests; None where the data plane has none (an older
         daemon's, adopted): the write logs stay this worker's own."""
+        opened: list[SharedPending] = []
         try:
-            blocks, requests = (SharedPending.open(path) for path in routed_paths(self.state_dir))
+            for path in routed_paths(self.state_dir):
+                opened.append(SharedPending.open(path))
         except TableError as exc:
+            for f in opened:  # the one that did open is of no use alone
+                f.close()
             self._log.warning("data-plane worker %d: %s: routed blocks not shared", self.slot, exc)
             return None
-        return blocks, requests
+        return opened[0], opened[1]
 
     def _make_proxies(self, backends: ReadyBackends, metrics: Any, table: SharedTable) -> list[Any]:
         from orchestrator.dataplane.embedded import EmbeddedProxy
