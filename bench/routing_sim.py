@@ -63,7 +63,7 @@ from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.balancer import POLICIES
 from orchestrator.routing.journal import Journal
-from orchestrator.routing.llm_policies import RouteHints
+from orchestrator.routing.llm_policies import RouteHints, SharedTurns
 
 from tests.harness import DEMO_REPO
 
@@ -111,8 +111,9 @@ class StaticPartition:
 class Workers:
     """`policy@N`: N data-plane workers' policies of one kind, each request to one of them at
     random (as the kernel spreads connections), sharing what the product's workers share (the
-    in-flight counts, the prefix index, cost-model's pending prefill) and each keeping its own
-    journal and learnt state. The summary reads the first one's rates."""
+    in-flight counts, also as each snapshot was published; the prefix index; cost-model's
+    pending prefill and write logs; the default's turns among ties) and each keeping its own
+    learnt state. The summary reads the first one's rates."""
 
     def __init__(self, policies: list[Any], rng: random.Random) -> None:
         self.policies = policies
@@ -140,12 +141,15 @@ def _workers(target: str, n: int, rng: random.Random, clock, policy_kw: dict | N
     files: list[SharedPending] = []
     if index_dir is not None and "journal" in params:  # pending prefill, routed blocks and requests
         files = [SharedPending.create(Path(index_dir) / name) for name in ("pending", "blocks", "requests")]
+    turns = SharedPending.create(Path(index_dir) / "turns") if index_dir is not None and "turns" in params else None
     policies = []
     for k in range(n):
         kw = dict(policy_kw or {}, **shared)
         if files:
             lanes = [f.lane(k, lambda: n) for f in files]
             kw["journal"] = Journal(lanes[0], (lanes[1], lanes[2]))
+        if turns is not None:
+            kw["turns"] = SharedTurns(turns.lane(k, lambda: n))
         own = random.Random(rng.random())
         policies.append(cls(own) if target in ("least-outstanding", "round-robin") else cls(own, clock=clock, **kw))
     return Workers(policies, rng)
@@ -296,7 +300,8 @@ def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy
                     kv_free=s.kv_free if s else cell.kv_tokens // rc.BLOCK, tokens_per_block=rc.BLOCK,
                     kv_reused=s.kv_reused if s else 0, iteration=float(s.iteration) if s else 0.0,
                     timestamp_us=s.timestamp_us if s else 0, context_tokens=s.total_context_tokens if s else 0,
-                    input_tokens=h["input"], finished=h["finished"], output_tokens=h["output"]))
+                    input_tokens=h["input"], finished=h["finished"], output_tokens=h["output"],
+                    routed=inflight.get(str(i), 0)))  # as the daemon publishes it
             if any(h[2] != "scrape" for h in heap):
                 heapq.heappush(heap, (t + SCRAPE_S, next(order), "scrape", None))
         elif kind == "start":

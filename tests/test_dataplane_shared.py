@@ -14,13 +14,14 @@ import pytest
 from orchestrator.config import Settings, settings_from_json, settings_to_json
 from orchestrator.dataplane.feed import FeedClient, FeedServer
 from orchestrator.dataplane.membership import AWAY_EJECT_S, WorkerMembership
+from orchestrator.dataplane.shared_pending import SharedPending
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_table import (GlobalInflight, SharedTable, TableError, WorkerCounts,
                                                  instance_index)
 from orchestrator.errors import UsageError
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer, SharedRouting
-from orchestrator.routing.llm_policies import RouteHints
+from orchestrator.routing.llm_policies import RouteHints, SharedTurns
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, chunk_keys, recorded
 
 pytestmark = pytest.mark.unit
@@ -78,6 +79,35 @@ def test_balancers_of_two_workers_route_on_the_global_count(tmp_path):
     w0.release(first.instance_id)
     assert GlobalInflight(table).get(first.instance_id) == 0
     assert w0.snapshot() == {}  # its own share, for status
+
+
+@pytest.mark.parametrize("shared_turns", [True, False])
+def test_workers_take_ties_in_turn_together(tmp_path, shared_turns):
+    # Every request ends before the next comes, so the instances are always tied; each arrives at
+    # either worker at random. With the turns shared they alternate as one policy's would (and as
+    # NGINX's least_conn does); with a worker's own turns, a worker's first pick of each tie
+    # repeats where the other just went.
+    table = SharedTable.create(tmp_path / "t")
+    table.use_rows(2)
+    turns = SharedPending.create(tmp_path / "turns")
+    bs = backends(2)
+    clock = iter(range(1, 10**6)).__next__
+    workers = [Balancer("prefix-affinity", clock=clock, shared=SharedRouting(
+        GlobalInflight(table), WorkerCounts(table, k), None, None,
+        SharedTurns(turns.lane(k, table.rows)) if shared_turns else None)) for k in (0, 1)]
+    rng = random.Random(3)
+    picks = []
+    for _ in range(40):
+        w = rng.choice(workers)
+        iid = w.pick(bs).instance_id
+        w.acquire(iid)
+        w.release(iid)
+        picks.append(iid)
+    repeats = sum(a == b for a, b in zip(picks, picks[1:]))
+    if shared_turns:
+        assert repeats == 0, picks
+    else:
+        assert repeats > 5, (repeats, picks)  # what the shared turns are for (7 of 39 with this seed)
 
 
 def test_inflight_sums_the_rows_the_daemon_has_put_in_use(tmp_path):
@@ -293,6 +323,39 @@ def test_an_instance_that_leaves_loses_its_engine_view(tmp_path):
     assert view.latest is not None
     m.on_members(member_list(1))
     assert view.latest is None
+
+
+def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_path):
+    from orchestrator.controlplane.workers import WorkerPool
+    from orchestrator.dataplane.worker import dataplane_dir
+    from orchestrator.health.engine_state import EngineSnapshot, EngineView
+
+    ready = ReadyBackends()
+    pool = WorkerPool(Settings(), ready, tmp_path)
+    dataplane_dir(tmp_path).mkdir(mode=0o700)
+    pool._fresh_files()
+    sent: list[dict] = []
+
+    class Feed:  # the feed server's broadcast, recorded
+        def broadcast(self, msg: dict) -> None:
+            sent.append(msg)
+
+    pool._feed = Feed()  # type: ignore[assignment]
+    pool._unsubscribe = ready.subscribe(pool._on_members)
+    view = EngineView()
+    ready.publish((Backend("1", "127.0.0.1", 9001, 9101, 9201, engine=view),))
+    table = SharedTable.open(tmp_path / "dataplane" / "table")
+    table.use_rows(3)
+    WorkerCounts(table, 0).acquire("1")
+    WorkerCounts(table, 2).acquire("1")
+    view.update(EngineSnapshot(at=1.0, active=2, iteration=1.0))
+    msg = sent[-1]
+    assert msg["t"] == "engine" and msg["routed"] == 2
+    # what a worker rebuilds from it (WorkerMembership.on_engine)
+    m = WorkerMembership(ReadyBackends(), table, lambda msg: None, threshold=1)
+    m.on_members(member_list(2))
+    m.on_engine(msg["iid"], msg["snap"], msg["routed"])
+    assert m.backends.current()[1].engine.latest.routed == 2
 
 
 # --- the feed ------------------------------------------------------------------------------------

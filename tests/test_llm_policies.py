@@ -50,6 +50,27 @@ def test_requests_waiting_for_kv_blocks_are_ours_not_foreign():
     assert requests([a, b], {"0": 8, "1": 8}, NOW) == {"0": 8.0, "1": 8.0}
 
 
+def test_a_snapshot_counts_ours_as_the_daemon_read_them_not_as_this_worker_last_saw():
+    # Worker B chose once while instance "1" had 4 of worker A's requests and "0" none; then A
+    # sent 3 to "0". The snapshots hold 3 and 4, all of them ours (`routed`, read by the daemon
+    # as it published them). By B's own notes "0" had one of ours then (B's own pick), so two of
+    # A's 3 were foreign: 5 against 4, and B sent the next to the busier instance.
+    clock = [NOW - 0.5]
+    a, b = backend("0"), backend("1")
+    policy = PrefixAffinity(random.Random(1), clock=lambda: clock[0])
+    inflight = {"0": 0, "1": 4}
+    assert policy.choose([a, b], (), inflight).instance_id == "0"  # B's pick, ended at once
+    inflight["0"] = 3  # worker A's
+    a.engine.update(EngineSnapshot(at=NOW - 0.1, active=3, max_active=8, kv_max=100, iteration=1.0, routed=3))
+    b.engine.update(EngineSnapshot(at=NOW - 0.1, active=4, max_active=8, kv_max=100, iteration=1.0, routed=4))
+    clock[0] = NOW
+    assert requests([a, b], inflight, NOW, policy.history) == {"0": 3.0, "1": 4.0}
+    assert policy.choose([a, b], (), inflight).instance_id == "0"
+    # What the engine holds beyond the daemon's count is another client's.
+    a.engine.update(EngineSnapshot(at=NOW, active=5, max_active=8, kv_max=100, iteration=1.0, routed=3))
+    assert requests([a, b], inflight, NOW + 0.01)["0"] == 3 + 2
+
+
 def test_one_stale_snapshot_means_inflight_counts_for_everyone():
     a = backend("0", snap(active=8, at=NOW - 5))  # stale
     b = backend("1", snap(active=8))

@@ -11,11 +11,12 @@ every shrink at reload would refuse a few clients under load; a shared socket
 never closes while the run lives. Workers run with libuv's single-accept mode, so
 an idle worker is not outraced to a burst of connections by a busy one.
 
-It owns: the sockets, the shared table, prefix index, pending-prefill and routed-block files
-(created zeroed at start), the feed server, one supervising task per slot, the worker
+It owns: the sockets, the shared table, prefix index, pending-prefill, routed-block and turns
+files (created zeroed at start), the feed server, one supervising task per slot, the worker
 processes. It publishes to the workers,
 over the feed, what the daemon owns: membership (on every change), each ready
-instance's engine snapshots (as scraped), the settings (at reload). It takes from
+instance's engine snapshots (as scraped, each with every worker's count in flight there as it
+was published), the settings (at reload). It takes from
 them passive health reports, which go to the instance's own PassiveHealth, and
 their per-second stats (for `status` and `top`).
 
@@ -53,7 +54,7 @@ from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_pending import SharedPending
 from orchestrator.dataplane.shared_table import SharedTable, TableError, instance_index
 from orchestrator.dataplane.worker import (dataplane_dir, feed_path, handover_path, pending_path, prefix_path,
-                                           routed_paths, table_path)
+                                           routed_paths, table_path, turns_path)
 from orchestrator.errors import OrchError
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
@@ -140,13 +141,13 @@ class WorkerPool:
         self._table = SharedTable.create(table_path(self._state_dir))
         SharedPrefixIndex.create(prefix_path(self._state_dir)).close()  # the workers map it
         self._pending = SharedPending.create(pending_path(self._state_dir))
-        for path in routed_paths(self._state_dir):  # the workers map them; nobody clears them
-            SharedPending.create(path).close()
+        for path in (*routed_paths(self._state_dir), turns_path(self._state_dir)):  # the workers map them;
+            SharedPending.create(path).close()  # nobody clears them
 
     def _adopt_routed(self) -> None:
-        """Routed-block files where a daemon without them left none: the workers started from now
-        on share their write logs (the adopted ones keep their own)."""
-        for path in routed_paths(self._state_dir):
+        """Routed-block and turns files where a daemon without them left none: the workers started
+        from now on share their write logs and turns (the adopted ones keep their own)."""
+        for path in (*routed_paths(self._state_dir), turns_path(self._state_dir)):
             if not path.exists():
                 SharedPending.create(path).close()
 
@@ -451,7 +452,7 @@ class WorkerPool:
             out.append(_members(self._backends.current()))
         for b in self._backends.current():
             snap = b.engine.latest if b.engine is not None else None
-            if snap is not None:
+            if snap is not None:  # no "routed": the count now is not the count at its scrape
                 out.append({"t": "engine", "iid": b.instance_id, "snap": snap.as_dict()})
         return out
 
@@ -495,8 +496,18 @@ class WorkerPool:
     def _engine_listener(self, iid: str) -> Callable[[EngineSnapshot], None]:
         def publish(snap: EngineSnapshot) -> None:
             if self._feed is not None and any(b.instance_id == iid for b in self._backends.current()):
-                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict()})
+                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict(), "routed": self._routed(iid)})
         return publish
+
+    def _routed(self, iid: str) -> int | None:
+        """Every worker's requests in flight at the instance now, as its snapshot is published
+        (EngineSnapshot.routed); None where the table has no column for it."""
+        if self._table is None:
+            return None
+        try:
+            return self._table.inflight(instance_index(iid))
+        except (ValueError, TableError):
+            return None
 
     # --- what the daemon asks ------------------------------------------------------------------
     def state_record(self) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from orchestrator.dataplane.shared_table import GlobalInflight, SharedTable, Tab
 from orchestrator.routing.backends import ReadyBackends
 from orchestrator.routing.balancer import SharedRouting
 from orchestrator.routing.journal import Journal
+from orchestrator.routing.llm_policies import SharedTurns
 from orchestrator.tasks import cancel_and_wait
 
 HEARTBEAT_S = 0.25
@@ -86,6 +87,13 @@ def routed_paths(state_dir: Path) -> tuple[Path, Path]:
     return dataplane_dir(state_dir) / "routed-blocks", dataplane_dir(state_dir) / "routed-requests"
 
 
+def turns_path(state_dir: Path) -> Path:
+    """When any worker last chose each instance (routing/llm_policies.py's SharedTurns: the
+    default's turns among equally loaded instances): shared_pending.py's layout, each worker's
+    row its own stamps, never cleared while the data plane lives."""
+    return dataplane_dir(state_dir) / "turns"
+
+
 def handover_path(state_dir: Path) -> Path:
     """Where a new daemon takes the listening sockets from a worker (SCM_RIGHTS)."""
     return dataplane_dir(state_dir) / "handover.sock"
@@ -106,6 +114,7 @@ class Worker:
         self._away_task: asyncio.Task[None] | None = None  # the away prober, while no daemon is there
         self.pending: SharedPending | None = None  # the workers' pending prefill (shared_pending.py)
         self.routed: tuple[SharedPending, SharedPending] | None = None  # routed blocks, requests
+        self.turns: SharedPending | None = None  # the workers' turns among ties (turns_path)
 
     async def run(self) -> int:
         from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read
@@ -119,6 +128,7 @@ class Worker:
         self.prefixes = SharedPrefixIndex.open(prefix_path(self.state_dir))
         self.pending = self._open_pending(table)
         self.routed = self._open_routed()
+        self.turns = self._open_turns()
         backends = ReadyBackends()
         self.feed = FeedClient(feed_path(self.state_dir), self._hello, self._on_message,
                                self._on_connection, self._log)
@@ -181,6 +191,15 @@ class Worker:
             return None
         return opened[0], opened[1]
 
+    def _open_turns(self) -> SharedPending | None:
+        """The workers' turns among ties; None where the data plane has none (an older daemon's,
+        adopted): this worker takes ties in its own turns."""
+        try:
+            return SharedPending.open(turns_path(self.state_dir))
+        except TableError as exc:
+            self._log.warning("data-plane worker %d: %s: turns not shared", self.slot, exc)
+            return None
+
     def _make_proxies(self, backends: ReadyBackends, metrics: Any, table: SharedTable) -> list[Any]:
         from orchestrator.dataplane.embedded import EmbeddedProxy
         slot = self.slot
@@ -192,7 +211,9 @@ class Worker:
         routed = None
         if self.routed is not None:
             routed = (self.routed[0].lane(slot, table.rows), self.routed[1].lane(slot, table.rows))
-        shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane, routed))
+        turns = SharedTurns(self.turns.lane(slot, table.rows)) if self.turns is not None else None
+        shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane, routed),
+                               turns)
         proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,
                                             sockets=self._sockets, tally=lambda: table.add_requests(slot),
                                             accept_share=AcceptShare(table, slot))]
@@ -212,7 +233,7 @@ class Worker:
             self.membership.on_members(msg["backends"])
             self._got_members.set()
         elif kind == "engine":
-            self.membership.on_engine(str(msg["iid"]), msg["snap"])
+            self.membership.on_engine(str(msg["iid"]), msg["snap"], msg.get("routed"))
         elif kind == "settings":
             self._apply(settings_from_json(msg["settings"]))
         elif kind == "send_sockets":

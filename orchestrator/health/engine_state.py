@@ -65,6 +65,12 @@ class EngineSnapshot:
     context_tokens: int = 0
     finished: int = 0
     output_tokens: int = 0
+    # Not the engine's: our requests in flight there, every data-plane worker's, as the daemon
+    # published the snapshot (None: not known). What the engine holds beyond it is another's
+    # (routing/llm_policies.py's `foreign`). A worker's own notes of the count at its own
+    # choices miss what the other workers sent meanwhile (llm_policies.SharedTurns has the
+    # simulator's numbers: with 4 workers, the default picked as one policy only with both).
+    routed: int | None = None
 
     @property
     def has_engine(self) -> bool:
@@ -80,8 +86,12 @@ class EngineSnapshot:
         return self.waiting + self.pending
 
     def as_dict(self) -> dict[str, float | int | None]:
-        """Every field, for the data-plane feed (EngineSnapshot(**d) rebuilds it)."""
-        return asdict(self)
+        """Every field the engine reports, for the data-plane feed (EngineSnapshot(**d) rebuilds
+        it). Not `routed`, which the feed sends beside it: a worker of an older release, adopted by
+        live restore, knows no such field, and a snapshot with it would not build there."""
+        d = asdict(self)
+        del d["routed"]
+        return d
 
     def describe(self) -> dict[str, float | int | None]:
         return {"active": self.active, "max_active": self.max_active, "waiting": self.queued,

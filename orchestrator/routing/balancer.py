@@ -59,6 +59,7 @@ class SharedRouting(NamedTuple):
     counts: SharedCounts
     prefix_index: Any = None  # routing.prefix_index.PrefixIndex's methods; None: the policy's own
     journal: Any = None  # routing.journal.Journal's methods (cost-model); None: the policy's own
+    turns: Any = None  # routing.llm_policies.SharedTurns (the default's ties); None: the policy's own
 
 
 class Policy(Protocol):
@@ -129,7 +130,7 @@ POLICIES: dict[str, Callable[[random.Random], Policy]] = {
 
 class Balancer:
     __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling",
-                 "_view", "_counts_of", "_shared", "_prefix_index", "_journal")
+                 "_view", "_counts_of", "_shared", "_prefix_index", "_journal", "_turns")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -145,6 +146,7 @@ class Balancer:
         self._counts_of: Callable[[Sequence[Backend]], dict[str, int]] | None = getattr(self._view, "of", None)
         self._prefix_index = shared[2] if shared is not None and len(shared) > 2 else None
         self._journal = shared[3] if shared is not None and len(shared) > 3 else None
+        self._turns = shared[4] if shared is not None and len(shared) > 4 else None
         self._rng = rng or random.Random()
         self._clock = clock
         self._cooldown_s = cooldown_s
@@ -162,6 +164,8 @@ class Balancer:
             extra["index"] = self._prefix_index  # one index for every worker: they route a prefix alike
         if self._journal is not None and "journal" in inspect.signature(cls).parameters:
             extra["journal"] = self._journal
+        if self._turns is not None and "turns" in inspect.signature(cls).parameters:
+            extra["turns"] = self._turns
         self._policy = cls(self._rng, **extra)
         self._choose = self._policy.choose
 
