@@ -227,10 +227,15 @@ def _snapshot_terms(terms: dict[str, tuple[EngineSnapshot, int | None, int, floa
     requests its engine holds, its KV term); kept in `terms` only once the clock is past the
     snapshot's time (notes are made at `now`: none can join those at or before it after that)."""
     kv_max = snap.kv_max
-    # The count every worker's requests made there as the snapshot was published, where the
-    # daemon read it (exact, and the same for every worker); else this policy's own notes
-    # (exact where this process makes every choice, its workers' picks: see EngineSnapshot.routed).
-    then = snap.routed if snap.routed is not None else None if notes is None else notes.at(snap.at)
+    # Our count when the engine took its numbers, as an upper bound (so `foreign` errs low). This
+    # policy's notes are one where it makes every choice: a count rises only by a choice, noted.
+    # With several workers the others' choices raise it unnoted; the count over every worker as
+    # the daemon published the snapshot (EngineSnapshot.routed) covers those, though not the
+    # requests that ended between the engine's last iteration and the scrape, which the notes
+    # do cover: the higher of the two. (`routed` alone, in bench/routing_sim.py, made the
+    # default alone lose 3-13% in 9 unique and mixed cells where it had been within 3%.)
+    noted = None if notes is None else notes.at(snap.at)
+    then = noted if snap.routed is None else snap.routed if noted is None else max(snap.routed, noted)
     t = (snap, then, snap.active + snap.pending,
          KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
     if snap.at < now:
@@ -380,8 +385,8 @@ class SharedTurns:
     (`prefix-affinity@4`), the 12 8-slot chat, mixed and unique cells at r0/r1, seeds 1-2: 5
     within 3% of the best baseline's TTFT p90 as it was (s8/room4/unique/r1 1.085 x, .../r0
     1.043 x, s8/room4/mixed/r0 1.154 x), 7 with the turns shared, and 10 with the turns shared
-    and the count at each snapshot (`EngineSnapshot.routed`): the picks of one policy, to the
-    digit. Each worker stamps its own cell of the instance it chose
+    and every worker's count at each snapshot (`EngineSnapshot.routed`; one policy alone: 11).
+    Each worker stamps its own cell of the instance it chose
     with the time (shared_pending.py's layout: one writer per cell, the readers take the highest
     of the column); two workers that choose at once may take the same one, as a run of ties
     taken at random would."""
