@@ -97,6 +97,15 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
         shared = shared._replace(journal=journal)
     except ImportError:
         pass
+    try:  # the workers' turns among ties (the default), where the tree shares them
+        from orchestrator.dataplane.shared_stamps import SharedStamps
+        from orchestrator.routing.llm_policies import SharedTurns
+        stamps = SharedStamps.create(tmp / "turns")
+        for i in range(instances):  # other workers' choices, a while ago
+            stamps.put(str(i), now[0] - 1.0 - 0.01 * i)
+        shared = shared._replace(turns=SharedTurns(stamps))
+    except ImportError:
+        pass
     balancer = Balancer(policy_name, rng=random.Random(1), clock=clock, shared=shared)
     policy = balancer._policy
     if hasattr(policy, "_clock"):

@@ -58,6 +58,7 @@ from bench import routing_cells as rc
 from bench.common import machine, pct, table, write_result
 from bench.decision_cost import measure
 from orchestrator.dataplane.shared_pending import SharedPending
+from orchestrator.dataplane.shared_stamps import SharedStamps
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
@@ -141,7 +142,7 @@ def _workers(target: str, n: int, rng: random.Random, clock, policy_kw: dict | N
     files: list[SharedPending] = []
     if index_dir is not None and "journal" in params:  # pending prefill, routed blocks and requests
         files = [SharedPending.create(Path(index_dir) / name) for name in ("pending", "blocks", "requests")]
-    turns = SharedPending.create(Path(index_dir) / "turns") if index_dir is not None and "turns" in params else None
+    turns = SharedStamps.create(Path(index_dir) / "turns") if index_dir is not None and "turns" in params else None
     policies = []
     for k in range(n):
         kw = dict(policy_kw or {}, **shared)
@@ -149,7 +150,7 @@ def _workers(target: str, n: int, rng: random.Random, clock, policy_kw: dict | N
             lanes = [f.lane(k, lambda: n) for f in files]
             kw["journal"] = Journal(lanes[0], (lanes[1], lanes[2]))
         if turns is not None:
-            kw["turns"] = SharedTurns(turns.lane(k, lambda: n))
+            kw["turns"] = SharedTurns(turns)
         own = random.Random(rng.random())
         policies.append(cls(own) if target in ("least-outstanding", "round-robin") else cls(own, clock=clock, **kw))
     return Workers(policies, rng)

@@ -14,7 +14,7 @@ import pytest
 from orchestrator.config import Settings, settings_from_json, settings_to_json
 from orchestrator.dataplane.feed import FeedClient, FeedServer
 from orchestrator.dataplane.membership import AWAY_EJECT_S, WorkerMembership
-from orchestrator.dataplane.shared_pending import SharedPending
+from orchestrator.dataplane.shared_stamps import SharedStamps
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_table import (GlobalInflight, SharedTable, TableError, WorkerCounts,
                                                  instance_index)
@@ -89,12 +89,12 @@ def test_workers_take_ties_in_turn_together(tmp_path, shared_turns):
     # repeats where the other just went.
     table = SharedTable.create(tmp_path / "t")
     table.use_rows(2)
-    turns = SharedPending.create(tmp_path / "turns")
+    stamps = SharedStamps.create(tmp_path / "turns")
     bs = backends(2)
     clock = iter(range(1, 10**6)).__next__
     workers = [Balancer("prefix-affinity", clock=clock, shared=SharedRouting(
         GlobalInflight(table), WorkerCounts(table, k), None, None,
-        SharedTurns(turns.lane(k, table.rows)) if shared_turns else None)) for k in (0, 1)]
+        SharedTurns(stamps) if shared_turns else None)) for k in (0, 1)]
     rng = random.Random(3)
     picks = []
     for _ in range(40):

@@ -52,6 +52,7 @@ from orchestrator.dataplane.feed import FeedServer
 from orchestrator.dataplane.recent import histogram_percentile
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_pending import SharedPending
+from orchestrator.dataplane.shared_stamps import SharedStamps
 from orchestrator.dataplane.shared_table import SharedTable, TableError, instance_index
 from orchestrator.dataplane.worker import (dataplane_dir, feed_path, handover_path, pending_path, prefix_path,
                                            routed_paths, table_path, turns_path)
@@ -141,15 +142,18 @@ class WorkerPool:
         self._table = SharedTable.create(table_path(self._state_dir))
         SharedPrefixIndex.create(prefix_path(self._state_dir)).close()  # the workers map it
         self._pending = SharedPending.create(pending_path(self._state_dir))
-        for path in (*routed_paths(self._state_dir), turns_path(self._state_dir)):  # the workers map them;
-            SharedPending.create(path).close()  # nobody clears them
+        for path in routed_paths(self._state_dir):  # the workers map them; nobody clears them
+            SharedPending.create(path).close()
+        SharedStamps.create(turns_path(self._state_dir)).close()
 
     def _adopt_routed(self) -> None:
         """Routed-block and turns files where a daemon without them left none: the workers started
         from now on share their write logs and turns (the adopted ones keep their own)."""
-        for path in (*routed_paths(self._state_dir), turns_path(self._state_dir)):
+        for path in routed_paths(self._state_dir):
             if not path.exists():
                 SharedPending.create(path).close()
+        if not turns_path(self._state_dir).exists():
+            SharedStamps.create(turns_path(self._state_dir)).close()
 
     def _adopt_pending(self) -> SharedPending | None:
         """The adopted workers' pending-prefill file; made where a daemon without it left none (the

@@ -48,6 +48,7 @@ from orchestrator.dataplane.feed import FeedClient
 from orchestrator.dataplane.membership import WorkerMembership
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_pending import SharedPending
+from orchestrator.dataplane.shared_stamps import SharedStamps
 from orchestrator.dataplane.shared_table import GlobalInflight, SharedTable, TableError, WorkerCounts
 from orchestrator.routing.backends import ReadyBackends
 from orchestrator.routing.balancer import SharedRouting
@@ -89,8 +90,8 @@ def routed_paths(state_dir: Path) -> tuple[Path, Path]:
 
 def turns_path(state_dir: Path) -> Path:
     """When any worker last chose each instance (routing/llm_policies.py's SharedTurns: the
-    default's turns among equally loaded instances): shared_pending.py's layout, each worker's
-    row its own stamps, never cleared while the data plane lives."""
+    default's turns among equally loaded instances): shared_stamps.py, never cleared while the
+    data plane lives."""
     return dataplane_dir(state_dir) / "turns"
 
 
@@ -114,7 +115,7 @@ class Worker:
         self._away_task: asyncio.Task[None] | None = None  # the away prober, while no daemon is there
         self.pending: SharedPending | None = None  # the workers' pending prefill (shared_pending.py)
         self.routed: tuple[SharedPending, SharedPending] | None = None  # routed blocks, requests
-        self.turns: SharedPending | None = None  # the workers' turns among ties (turns_path)
+        self.turns: SharedStamps | None = None  # the workers' turns among ties (turns_path)
 
     async def run(self) -> int:
         from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read
@@ -191,11 +192,11 @@ class Worker:
             return None
         return opened[0], opened[1]
 
-    def _open_turns(self) -> SharedPending | None:
+    def _open_turns(self) -> SharedStamps | None:
         """The workers' turns among ties; None where the data plane has none (an older daemon's,
         adopted): this worker takes ties in its own turns."""
         try:
-            return SharedPending.open(turns_path(self.state_dir))
+            return SharedStamps.open(turns_path(self.state_dir))
         except TableError as exc:
             self._log.warning("data-plane worker %d: %s: turns not shared", self.slot, exc)
             return None
@@ -211,7 +212,7 @@ class Worker:
         routed = None
         if self.routed is not None:
             routed = (self.routed[0].lane(slot, table.rows), self.routed[1].lane(slot, table.rows))
-        turns = SharedTurns(self.turns.lane(slot, table.rows)) if self.turns is not None else None
+        turns = SharedTurns(self.turns) if self.turns is not None else None
         shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane, routed),
                                turns)
         proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,

@@ -386,25 +386,24 @@ class SharedTurns:
     within 3% of the best baseline's TTFT p90 as it was (s8/room4/unique/r1 1.085 x, .../r0
     1.043 x, s8/room4/mixed/r0 1.154 x), 7 with the turns shared, and 10 with the turns shared
     and every worker's count at each snapshot (`EngineSnapshot.routed`; one policy alone: 11).
-    Each worker stamps its own cell of the instance it chose
-    with the time (shared_pending.py's layout: one writer per cell, the readers take the highest
-    of the column); two workers that choose at once may take the same one, as a run of ties
-    taken at random would."""
+    Each worker stamps the instance it chose with the time (dataplane/shared_stamps.py: one
+    cell per instance, last writer wins); two workers that choose at once may take the same
+    one, as a run of ties taken at random would."""
 
-    __slots__ = ("_lane", "_last")
+    __slots__ = ("_stamps", "_last")
 
-    def __init__(self, lane: Any) -> None:
-        self._lane = lane  # dataplane.shared_pending.PendingLane (put / latest)
+    def __init__(self, stamps: Any) -> None:
+        self._stamps = stamps  # dataplane.shared_stamps.SharedStamps (put / of)
         self._last = 0.0
 
     def chosen(self, instance_id: str, now: float) -> None:
         # strictly increasing per worker, so choices at one instant of a virtual clock stay in order
         self._last = stamp = now if now > self._last else self._last + 1e-9
-        self._lane.put(instance_id, stamp)
+        self._stamps.put(instance_id, stamp)
 
     def oldest(self, tied: list[Backend]) -> Backend:
-        latest = self._lane.latest
-        return min(tied, key=lambda b: latest(b.instance_id))
+        stamps = self._stamps.of([b.instance_id for b in tied])
+        return tied[stamps.index(min(stamps))]
 
 
 class _LoadAware:
