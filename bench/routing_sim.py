@@ -116,9 +116,10 @@ class Workers:
     pending prefill and write logs; the default's turns among ties) and each keeping its own
     learnt state. The summary reads the first one's rates."""
 
-    def __init__(self, policies: list[Any], rng: random.Random) -> None:
+    def __init__(self, policies: list[Any], rng: random.Random, stamps: Any = None) -> None:
         self.policies = policies
         self._rng = rng
+        self.stamps = stamps  # their shared turns and counts (dataplane/shared_stamps.py), if any
         self.last_reason = ""
         self.last_decision = None
 
@@ -153,7 +154,7 @@ def _workers(target: str, n: int, rng: random.Random, clock, policy_kw: dict | N
             kw["turns"] = SharedTurns(turns)
         own = random.Random(rng.random())
         policies.append(cls(own) if target in ("least-outstanding", "round-robin") else cls(own, clock=clock, **kw))
-    return Workers(policies, rng)
+    return Workers(policies, rng, turns)
 
 
 def make_router(target: str, rng: random.Random, clock, policy_kw: dict | None = None, index_dir: str | None = None):
@@ -288,6 +289,13 @@ def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy
         if not busy[i]:
             step(i)
 
+    stamps = router.stamps if isinstance(router, Workers) else None
+
+    def routed_at(iid: str) -> int | None:
+        """What the daemon sends with a snapshot (WorkerPool._routed): every worker's count as the
+        latest choice read it, at least the count now; None for one policy (its own notes)."""
+        return None if stamps is None else max(inflight.get(iid, 0), stamps.count(iid))
+
     while heap:
         t, _, kind, data = heapq.heappop(heap)
         now[0] = t
@@ -302,7 +310,7 @@ def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy
                     kv_reused=s.kv_reused if s else 0, iteration=float(s.iteration) if s else 0.0,
                     timestamp_us=s.timestamp_us if s else 0, context_tokens=s.total_context_tokens if s else 0,
                     input_tokens=h["input"], finished=h["finished"], output_tokens=h["output"],
-                    routed=inflight.get(str(i), 0)))  # as the daemon publishes it
+                    routed=routed_at(str(i))))
             if any(h[2] != "scrape" for h in heap):
                 heapq.heappush(heap, (t + SCRAPE_S, next(order), "scrape", None))
         elif kind == "start":

@@ -106,6 +106,8 @@ def test_workers_take_ties_in_turn_together(tmp_path, shared_turns):
     repeats = sum(a == b for a, b in zip(picks, picks[1:]))
     if shared_turns:
         assert repeats == 0, picks
+        # and each choice left the counts it read (its own pick's added) for the daemon
+        assert stamps.count(picks[-1]) == 1 and stamps.count(next(i for i in ("0", "1") if i != picks[-1])) == 0
     else:
         assert repeats > 5, (repeats, picks)  # what the shared turns are for (7 of 39 with this seed)
 
@@ -351,6 +353,13 @@ def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_pa
     view.update(EngineSnapshot(at=1.0, active=2, iteration=1.0))
     msg = sent[-1]
     assert msg["t"] == "engine" and msg["routed"] == 2
+    # A worker's choice read 3 there (one request has ended since, after the engine's last
+    # iteration, which may still count it): the count as that choice read it, as one worker's
+    # own notes would say.
+    stamps = SharedStamps.open(tmp_path / "dataplane" / "turns")
+    stamps.note_count("1", 3)
+    view.update(EngineSnapshot(at=1.1, active=3, iteration=2.0))
+    assert sent[-1]["routed"] == 3
     # what a worker rebuilds from it (WorkerMembership.on_engine)
     m = WorkerMembership(ReadyBackends(), table, lambda msg: None, threshold=1)
     m.on_members(member_list(2))

@@ -23,6 +23,11 @@ def test_a_stamp_put_by_one_worker_is_read_by_another(tmp_path):
     b.put("7", 13.0)  # the last writer's stamp stands
     assert a.of(["3", "0", "7"]) == [0.0, 11.0, 13.0]
     assert a.of(["255"]) == [0.0]  # the last column is in the file
+    # the counts row, apart from the stamps
+    assert a.count("7") == 0
+    b.note_count("7", 5)
+    a.note_count("255", 2)
+    assert (a.count("7"), b.count("255"), a.of(["7"])) == (5, 2, [13.0])
     for f in (a, b):
         f.close()
 

@@ -102,6 +102,7 @@ class WorkerPool:
         self._sockets: dict[str, socket.socket] = {}
         self._table: SharedTable | None = None
         self._pending: SharedPending | None = None  # None: a data plane adopted from a daemon without it
+        self._stamps: SharedStamps | None = None  # the workers' turns and counts at their choices
         self._feed: FeedServer | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._hooked: dict[str, tuple[Any, Callable[[EngineSnapshot], None]]] = {}
@@ -144,7 +145,7 @@ class WorkerPool:
         self._pending = SharedPending.create(pending_path(self._state_dir))
         for path in routed_paths(self._state_dir):  # the workers map them; nobody clears them
             SharedPending.create(path).close()
-        SharedStamps.create(turns_path(self._state_dir)).close()
+        self._stamps = SharedStamps.create(turns_path(self._state_dir))
 
     def _adopt_routed(self) -> None:
         """Routed-block and turns files where a daemon without them left none: the workers started
@@ -152,8 +153,10 @@ class WorkerPool:
         for path in routed_paths(self._state_dir):
             if not path.exists():
                 SharedPending.create(path).close()
-        if not turns_path(self._state_dir).exists():
-            SharedStamps.create(turns_path(self._state_dir)).close()
+        try:
+            self._stamps = SharedStamps.open(turns_path(self._state_dir))
+        except TableError:  # none, or of another layout: made anew (a stamp is about now either way)
+            self._stamps = SharedStamps.create(turns_path(self._state_dir))
 
     def _adopt_pending(self) -> SharedPending | None:
         """The adopted workers' pending-prefill file; made where a daemon without it left none (the
@@ -291,6 +294,9 @@ class WorkerPool:
         if self._table is not None:
             self._table.close()
             self._table = None
+        if self._stamps is not None:
+            self._stamps.close()
+            self._stamps = None
         if self._pending is not None:
             self._pending.close()
             self._pending = None
@@ -504,14 +510,17 @@ class WorkerPool:
         return publish
 
     def _routed(self, iid: str) -> int | None:
-        """Every worker's requests in flight at the instance now, as its snapshot is published
-        (EngineSnapshot.routed); None where the table has no column for it."""
+        """Every worker's requests in flight at the instance as the latest choice over it read
+        them (at least as many as now), as its snapshot is published (EngineSnapshot.routed):
+        what one worker's own notes say where it makes every choice. None where the table has no
+        column for it."""
         if self._table is None:
             return None
         try:
-            return self._table.inflight(instance_index(iid))
+            now = self._table.inflight(instance_index(iid))
         except (ValueError, TableError):
             return None
+        return now if self._stamps is None else max(now, self._stamps.count(iid))
 
     # --- what the daemon asks ------------------------------------------------------------------
     def state_record(self) -> dict[str, Any]:

@@ -161,6 +161,9 @@ class InflightHistory:
     def __init__(self, keep_s: float = 2.0) -> None:
         self.keep_s = keep_s
         self._series: dict[str, _Series] = {}
+        # With several data-plane workers, every note is also written where the daemon reads it
+        # as it publishes a snapshot (dataplane/shared_stamps.py's counts; SharedTurns sets it).
+        self.shared: Any = None
         # instance_id -> (snapshot, our count at its time, its active + pending, its KV term): `_counted`'s
         self._terms: dict[str, tuple[EngineSnapshot, int | None, int, float]] = {}
 
@@ -182,6 +185,8 @@ class InflightHistory:
             s = self._series[chosen] = _Series()
         if s.last != count:
             s.add(now, count, now - self.keep_s)
+        if self.shared is not None:
+            self.shared.note_count(chosen, count)
 
     def at(self, instance_id: str, when: float) -> int | None:
         """Our count there at `when` (an upper bound), or None when nothing was noted before it."""
@@ -227,15 +232,11 @@ def _snapshot_terms(terms: dict[str, tuple[EngineSnapshot, int | None, int, floa
     requests its engine holds, its KV term); kept in `terms` only once the clock is past the
     snapshot's time (notes are made at `now`: none can join those at or before it after that)."""
     kv_max = snap.kv_max
-    # Our count when the engine took its numbers, as an upper bound (so `foreign` errs low). This
-    # policy's notes are one where it makes every choice: a count rises only by a choice, noted.
-    # With several workers the others' choices raise it unnoted; the count over every worker as
-    # the daemon published the snapshot (EngineSnapshot.routed) covers those, though not the
-    # requests that ended between the engine's last iteration and the scrape, which the notes
-    # do cover: the higher of the two. (`routed` alone, in bench/routing_sim.py, made the
-    # default alone lose 3-13% in 9 unique and mixed cells where it had been within 3%.)
-    noted = None if notes is None else notes.at(snap.at)
-    then = noted if snap.routed is None else snap.routed if noted is None else max(snap.routed, noted)
+    # Our count when the engine took its numbers, as an upper bound (so `foreign` errs low): as
+    # the latest choice before the snapshot read it, a count rising only by a choice. Where the
+    # daemon sends it with the snapshot (EngineSnapshot.routed) it is every worker's latest
+    # choice's; else this policy's own notes, the same where it makes every choice.
+    then = snap.routed if snap.routed is not None else None if notes is None else notes.at(snap.at)
     t = (snap, then, snap.active + snap.pending,
          KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
     if snap.at < now:
@@ -252,6 +253,9 @@ def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
     requests: dict[str, float] = {}
     weighted: dict[str, float] = {}
     series = history._series if history is not None else {}
+    if note and history is not None and history.shared is not None:
+        # every count read, whatever this worker noted last (another worker may have since)
+        history.shared.note_counts(inflight)
     terms = history._terms if history is not None else {}
     horizon = now - history.keep_s if history is not None else now
     stale = False
@@ -384,25 +388,27 @@ class SharedTurns:
     which `_Turns` is there to avoid. bench/routing_sim.py with the default as 4 workers
     (`prefix-affinity@4`), the 12 8-slot chat, mixed and unique cells at r0/r1, seeds 1-2: 5
     within 3% of the best baseline's TTFT p90 as it was (s8/room4/unique/r1 1.085 x, .../r0
-    1.043 x, s8/room4/mixed/r0 1.154 x), 7 with the turns shared, and 10 with the turns shared
-    and every worker's count at each snapshot (`EngineSnapshot.routed`; one policy alone: 11).
+    1.043 x, s8/room4/mixed/r0 1.154 x), 7 with the turns shared, and 11 with the turns and the
+    in-flight notes shared (one policy: 11). The notes are shared as the counts each choice
+    read, written beside the stamps, which the daemon sends with each snapshot
+    (`EngineSnapshot.routed`; the whole matrix: 70 of 80 within 3%, one policy 71).
     Each worker stamps the instance it chose with the time (dataplane/shared_stamps.py: one
     cell per instance, last writer wins); two workers that choose at once may take the same
     one, as a run of ties taken at random would."""
 
-    __slots__ = ("_stamps", "_last")
+    __slots__ = ("stamps", "_last")
 
     def __init__(self, stamps: Any) -> None:
-        self._stamps = stamps  # dataplane.shared_stamps.SharedStamps (put / of)
+        self.stamps = stamps  # dataplane.shared_stamps.SharedStamps
         self._last = 0.0
 
     def chosen(self, instance_id: str, now: float) -> None:
         # strictly increasing per worker, so choices at one instant of a virtual clock stay in order
         self._last = stamp = now if now > self._last else self._last + 1e-9
-        self._stamps.put(instance_id, stamp)
+        self.stamps.put(instance_id, stamp)
 
     def oldest(self, tied: list[Backend]) -> Backend:
-        stamps = self._stamps.of([b.instance_id for b in tied])
+        stamps = self.stamps.of([b.instance_id for b in tied])
         return tied[stamps.index(min(stamps))]
 
 
@@ -415,6 +421,8 @@ class _LoadAware:
         self._clock = clock
         self._turns: _Turns | SharedTurns = turns if turns is not None else _Turns()
         self.history = InflightHistory()
+        if turns is not None:  # its notes go where every worker's do
+            self.history.shared = turns.stamps
         self.last_reason = ""
 
     def _measure(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int]
