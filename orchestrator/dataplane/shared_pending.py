@@ -103,15 +103,6 @@ class PendingLane:
     def add(self, instance_id: str, tokens: float) -> None:
         self._f64[self._own(instance_id)] += tokens
 
-    def put(self, instance_id: str, value: float) -> None:
-        """Set this worker's cell of the instance (a lane of stamps, not of sums: SharedTurns)."""
-        self._f64[self._own(instance_id)] = value
-
-    def latest(self, instance_id: str) -> float:
-        """The highest of every worker's cells of the instance, this one's included."""
-        col = self._own(instance_id) - self._worker * MAX_INSTANCES
-        return max(self._f64[col:col + self._rows() * MAX_INSTANCES:MAX_INSTANCES], default=0.0)
-
     def total(self, instance_id: str) -> float:
         """What every worker in use added to the instance's cells, this one's included."""
         col = self._own(instance_id) - self._worker * MAX_INSTANCES

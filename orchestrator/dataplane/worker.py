@@ -115,7 +115,7 @@ class Worker:
         self._away_task: asyncio.Task[None] | None = None  # the away prober, while no daemon is there
         self.pending: SharedPending | None = None  # the workers' pending prefill (shared_pending.py)
         self.routed: tuple[SharedPending, SharedPending] | None = None  # routed blocks, requests
-        self.turns: SharedStamps | None = None  # the workers' turns among ties (turns_path)
+        self.turns: SharedStamps | None = None  # the workers' turns among ties, counts read (turns_path)
 
     async def run(self) -> int:
         from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read

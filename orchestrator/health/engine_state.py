@@ -67,10 +67,10 @@ class EngineSnapshot:
     output_tokens: int = 0
     # Not the engine's: our requests in flight there, every data-plane worker's, as the latest
     # choice over the instance before the daemon published the snapshot read them, and at least
-    # as many as then (None: not known; controlplane/workers.py's `_routed`). What the engine holds beyond it is another's
-    # (routing/llm_policies.py's `foreign`). A worker's own notes of the count at its own
-    # choices miss what the other workers sent meanwhile (llm_policies.SharedTurns has the
-    # simulator's numbers: with 4 workers, the default picked as one policy only with both).
+    # as many as then (None: not known; controlplane/workers.py's `_routed`). What the engine
+    # holds beyond it is another's (routing/llm_policies.py's `foreign`). A worker's own notes of
+    # the count at its own choices miss what the other workers sent meanwhile
+    # (llm_policies.SharedTurns has the simulator's numbers).
     routed: int | None = None
 
     @property

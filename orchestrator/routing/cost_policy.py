@@ -189,11 +189,11 @@ class CostModel:
     def _refresh(self, inst: _Inst, snap: EngineSnapshot) -> None:
         er = self.book.engines[inst.iid]
         inst.at = snap.at
-        # What the engine holds beyond what we had in flight there: another proxy's, a direct
-        # client's. Ours as the daemon published the snapshot where it says; else as we count
-        # now, which may have moved since the scrape (a request or two for a scrape interval).
-        ours = snap.routed if snap.routed is not None else self._inflight.get(inst.iid, 0)
-        inst.foreign = max(0, snap.active + snap.pending - ours)
+        # What the engine holds beyond what we have in flight there now: another proxy's, a
+        # direct client's. Our count may have moved since the scrape: a request or two for a
+        # scrape interval, and it errs towards fewer. (Not the snapshot's `routed`: that counts
+        # as the default's latest choice read them, and this policy's choices write none.)
+        inst.foreign = max(0, snap.active + snap.pending - self._inflight.get(inst.iid, 0))
         inst.slots = er.running()
         inst.kv_free = er.kv_blocks - snap.kv_used
         inst.kv_blocks = er.kv_blocks
