@@ -294,7 +294,7 @@ def _simulate_seed(cell: rc.Cell, target: str, seconds: float, seed: int, policy
     def routed_at(iid: str) -> int | None:
         """What the daemon sends with a snapshot (WorkerPool._routed): every worker's count as the
         latest choice read it, at least the count now; None for one policy (its own notes)."""
-        return None if stamps is None else max(inflight.get(iid, 0), stamps.count(iid))
+        return None if stamps is None else stamps.routed(iid, inflight.get(iid, 0))
 
     while heap:
         t, _, kind, data = heapq.heappop(heap)

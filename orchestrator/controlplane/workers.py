@@ -520,7 +520,7 @@ class WorkerPool:
             now = self._table.inflight(instance_index(iid))
         except (ValueError, TableError):
             return None
-        return now if self._stamps is None else max(now, self._stamps.count(iid))
+        return now if self._stamps is None else self._stamps.routed(iid, now)
 
     # --- what the daemon asks ------------------------------------------------------------------
     def state_record(self) -> dict[str, Any]:

@@ -32,7 +32,6 @@ from orchestrator.dataplane.shared_table import MAX_INSTANCES, create_sized, ins
 MAGIC = 0x7472746C6C747331  # "trtllts1"
 LAYOUT_VERSION = 1
 _HEADER_SIZE = 64  # as the shared table's (shared_table.create_sized)
-_COUNTS = (_HEADER_SIZE >> 3) + MAX_INSTANCES  # the counts row's first cell
 SIZE = _HEADER_SIZE + 16 * MAX_INSTANCES
 
 
@@ -83,7 +82,14 @@ class SharedStamps:
 
     def count(self, instance_id: str) -> int:
         """The instance's count as the latest choice over it read it (0: none yet)."""
-        return int(self._f64[_COUNTS + instance_index(instance_id)])
+        return int(self._f64[self._col(instance_id) + MAX_INSTANCES])
+
+    def routed(self, instance_id: str, now: int) -> int:
+        """What the daemon sends with a snapshot of the instance (EngineSnapshot.routed), given
+        every worker's count there `now`: the higher of it and the count the latest choice read,
+        which is what one worker's own notes say where it makes every choice (a note holds until
+        the next choice, and a count rises only by a choice)."""
+        return max(now, self.count(instance_id))
 
     def of(self, instance_ids: Sequence[str]) -> list[float]:
         """The stamps of these instances (0.0: never chosen), read together."""
