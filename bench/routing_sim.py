@@ -201,7 +201,7 @@ def simulate(cell: rc.Cell, target: str, seconds: float, seeds: tuple[int, ...] 
             reasons[k] = reasons.get(k, 0) + v
         decide_s += dec
     out = summarize(cell, target, seconds * len(seeds), recs, tokens, reasons, decide_s, router)
-    out["ttft_p90_by_seed"] = [pct(x, 90) for x in by_seed]
+    out[rc.SEED_P90S] = [pct(x, 90) for x in by_seed]
     out[rc.SEED_TTFTS] = by_seed  # for the verdicts' interval (routing_cells.verdicts); not written
     return out
 
@@ -433,10 +433,12 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     by = {(r["cell"], r["target"]): r for r in rows}
     fig, axes = plt.subplots(2, 1, figsize=(max(12, 0.22 * len(cells)), 8.5), sharex=True)
     xs = range(len(cells))
-    for target, color, marker in (("cost-model", "tab:green", "o"), ("prefix-affinity", "tab:olive", "x"),
-                                  ("round-robin", "tab:gray", ".")):
-        if (cells[0], target) not in by:
+    looks = {"cost-model": ("tab:green", "o"), "prefix-affinity": ("tab:olive", "x"), "round-robin": ("tab:gray", ".")}
+    for target in result["targets"]:
+        policy, _, workers = target.partition("@")  # a policy as N workers: squares
+        if policy not in looks or (cells[0], target) not in by:
             continue
+        color, marker = looks[policy][0], "s" if workers else looks[policy][1]
         for ax, key, best in ((axes[0], "ttft_p90_ms", min), (axes[1], "out_tok_s", max)):
             ys = []
             for c in cells:
@@ -525,11 +527,14 @@ def main() -> int:
                       f"cached/reused {r.get('cached_est_over_reused')}  ratio {r.get('tokens_per_char')}  "
                       f"rates {r.get('rates')}")
     v = rc.verdicts(rows)
-    others = {}  # the other prompt-aware policy's verdicts, kept in the JSON beside the default's
-    for policy in dict.fromkeys((rc.default_policy(), "cost-model")):
-        pv = v if policy == rc.default_policy() else rc.verdicts(rows, policy)
-        if pv and pv is not v:
-            others[f"verdicts_{policy.replace('-', '_')}"] = pv
+    # The prompt-aware policies' verdicts, each as one policy and as N workers where run (the product's
+    # default on 16 cores is `prefix-affinity@4`); the default's as `verdicts`, the others beside it.
+    by_policy = {rc.default_policy(): v}
+    for t in targets:
+        if t.split("@")[0] in (rc.default_policy(), "cost-model") and t not in by_policy:
+            by_policy[t] = rc.verdicts(rows, t)
+    others = {f"verdicts_{p.replace('-', '_').replace('@', '_at_')}": pv for p, pv in by_policy.items() if pv is not v}
+    for policy, pv in by_policy.items():
         if pv:
             print(f"\nverdicts ({policy} vs best of least-outstanding/nginx; vs nginx):")
             print(table(pv, ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_nginx", "tok_s_vs_nginx",
@@ -542,9 +547,11 @@ def main() -> int:
         print(f"{c['policy']} decision among {c['instances']} instances: {c['us']} us per Balancer.pick "
               f"(+ {c['hints_us']} us to hash the prompt's {c['keys']} chunks)")
     print(f"wall {time.time() - t0:.0f} s")
-    beyond = [r["cell"] for r in v if r.get("beyond_noise")]
-    print(f"{rc.default_policy()}: misses beyond the seeds' noise (90% interval above 1.03): "
-          f"{len(beyond)} {beyond}")
+    for policy, pv in by_policy.items():
+        if not pv or not policy.startswith(rc.default_policy()):
+            continue
+        beyond = [r["cell"] for r in pv if r.get("beyond_noise")]
+        print(f"{policy}: misses beyond the seeds' noise (90% interval above 1.03): {len(beyond)} {beyond}")
     for r in rows:
         r.pop(rc.SEED_TTFTS, None)
     result = {"bench": "routing_sim", "seconds": a.seconds, "seeds": seeds, "jitter": a.jitter, "index": a.index,

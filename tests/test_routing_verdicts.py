@@ -3,7 +3,9 @@ least-outstanding and NGINX, and how far the seeds' spread alone moves that rati
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +56,49 @@ def test_rows_without_seeds_get_the_verdict_alone():
             for t in ("prefix-affinity", "least-outstanding", "nginx")]
     (v,) = rc.verdicts(rows, "prefix-affinity")
     assert v["no_worse"] and "ttft_p90_vs_best_ci90" not in v and "beyond_noise" not in v
+
+
+def _written(target: str, seeds: list[list[float]]) -> dict:
+    """A row as a written run keeps it: each seed's p90, not its TTFTs."""
+    row = _row(target, seeds)
+    row[rc.SEED_P90S] = [rc.pct(sorted(s), 90) for s in row.pop(rc.SEED_TTFTS)]
+    return row
+
+
+def test_written_rows_get_an_interval_from_their_seeds_p90s():
+    base = _seeds(random.Random(5), 1.0)
+    slow = [[x * 1.5 for x in s] for s in base]
+    (alike,) = rc.verdicts([_written(t, base) for t in ("prefix-affinity", "least-outstanding", "nginx")],
+                           "prefix-affinity")
+    lo, hi = alike["ttft_p90_vs_best_ci90"]
+    assert lo <= 1.0 <= hi and alike["no_worse"]
+    (slower,) = rc.verdicts([_written("prefix-affinity", slow), _written("least-outstanding", base),
+                             _written("nginx", base)], "prefix-affinity")
+    assert slower["ttft_p90_vs_best_ci90"][0] > 1.03 and slower["beyond_noise"]
+    lucky = [s if i else [x * 3 for x in s] for i, s in enumerate(base)]
+    (one_bad_seed,) = rc.verdicts([_written("prefix-affinity", lucky), _written("least-outstanding", base),
+                                   _written("nginx", base)], "prefix-affinity")
+    assert not one_bad_seed["no_worse"] and not one_bad_seed["beyond_noise"]
+
+
+def _run(tmp_path, name: str, rows: list[dict], seeds: list[int]) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"bench": "routing_sim", "seeds": seeds, "rows": rows}))
+    return path
+
+
+def test_runs_written_apart_are_judged_together_the_later_row_winning(tmp_path, capsys):
+    from bench import routing_verdict
+    base = _seeds(random.Random(6), 1.0)
+    slow = [[x * 1.5 for x in s] for s in base]
+    first = _run(tmp_path, "a.json", [_written(t, slow if t == "prefix-affinity@4" else base)
+                                      for t in ("prefix-affinity@4", "least-outstanding", "nginx")], [1, 2])
+    again = _run(tmp_path, "b.json", [_written("prefix-affinity@4", base)], [1, 2])
+    rows, seeds = routing_verdict.merged_rows([first, again])
+    j = routing_verdict.judge(rows, "prefix-affinity@4")
+    assert seeds == [1, 2] and j["no_worse"] == 1 and not j["beyond_noise"]
+    assert routing_verdict.judge(routing_verdict.merged_rows([first])[0], "prefix-affinity@4")["beyond_noise"] == ["c"]
+    assert routing_verdict.main([str(first), "--target", "cost-model", "--no-write"]) == 2
+    assert "--target='cost-model'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="seeds"):
+        routing_verdict.merged_rows([first, _run(tmp_path, "c.json", [], [3])])

@@ -1,0 +1,140 @@
+"""Issue 24's verdicts over routing_sim runs written apart (one run per shape, say, to fit a call).
+
+    .venv/bin/python -m bench.routing_verdict RUN.json [RUN.json ...] [--target prefix-affinity@4] [--out DIR]
+
+Merges the runs' rows (a later file's row for the same cell and target wins) and judges
+`--target` (default: the product's default policy as `--proxy-workers auto` runs it on 16 cores,
+4 workers: `prefix-affinity@4`, or the policy alone where no run has that target) per cell against
+the best of least-outstanding and NGINX (routing_cells.verdicts): within 3% in TTFT p90 (all seeds'
+requests pooled) and tokens/s; the ratio of the seeds' p90s (geometric mean: each seed weighs alike)
+and its 90% interval over the seeds (the written rows keep each seed's p90, no more); and whether a
+miss is beyond that noise; against NGINX alone in the tenant cells (uniform,
+zipf), the "half NGINX's TTFT p90, 1.3 x its tokens/s" goal.
+
+Output: a table, bench/results/routing_verdict-<stamp>.{json,md,png} (`--no-write`: none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import routing_cells as rc
+from bench.common import table, write_result_md
+
+TENANT_WORKLOADS = ("uniform", "zipf")
+WORKERS_AUTO_16 = 4  # --proxy-workers auto on the 16-core GPU machines
+
+
+def merged_rows(paths: list[Path]) -> tuple[list[dict[str, Any]], list[int]]:
+    """The runs' rows, a later file's winning on the same (cell, target); and the seeds, which must
+    be the same in every run (a verdict pairs the targets' seeds)."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    seeds: list[int] | None = None
+    for p in paths:
+        run = json.loads(p.read_text())
+        if run.get("bench") != "routing_sim":
+            raise SystemExit(f"{p}: bench={run.get('bench')!r}, not a routing_sim run")
+        if seeds is not None and run["seeds"] != seeds:
+            raise SystemExit(f"{p}: seeds={run['seeds']}, the runs before have {seeds}: seeds pair targets")
+        seeds = run["seeds"]
+        for r in run["rows"]:
+            rows[(r["cell"], r["target"])] = r
+    return list(rows.values()), seeds or []
+
+
+def judge(rows: list[dict[str, Any]], target: str) -> dict[str, Any]:
+    v = rc.verdicts(rows, target)
+    tenant = [r for r in v if set(r["cell"].split("/")) & set(TENANT_WORKLOADS)]  # s8/room4/<workload>/r1
+    for r in tenant:
+        r["half_nginx"] = r["ttft_p90_vs_nginx"] <= 0.5 and r["tok_s_vs_nginx"] >= 1.3
+    return {"target": target, "cells": v,
+            "no_worse": sum(r["no_worse"] for r in v),
+            "beyond_noise": [r["cell"] for r in v if r.get("beyond_noise")],
+            "tenant_cells": len(tenant),
+            "half_nginx_ttft": sum(r["ttft_p90_vs_nginx"] <= 0.5 for r in tenant),
+            "half_nginx_ttft_and_tok_s": sum(r["half_nginx"] for r in tenant)}
+
+
+def report(j: dict[str, Any], seeds: list[int], sources: list[str]) -> str:
+    misses = [r for r in j["cells"] if not r["no_worse"]]
+    cols = ["cell", "ttft_p90_vs_best", "tok_s_vs_best", "ttft_p90_vs_best_seeds_gm", "ttft_p90_vs_best_ci90",
+            "beyond_noise",
+            "ttft_p90_vs_nginx", "tok_s_vs_nginx"]
+    return "\n".join([
+        f"{j['target']} against the best of least-outstanding and NGINX, {len(j['cells'])} cells, "
+        f"seeds {','.join(map(str, seeds))} (runs: {', '.join(sources)})",
+        "",
+        f"- within 3% in TTFT p90 and tokens/s: {j['no_worse']} of {len(j['cells'])}",
+        f"- misses beyond the seeds' noise (the 90% interval's low end above 1.03, or tokens/s short): "
+        f"{len(j['beyond_noise'])} {j['beyond_noise']}",
+        f"- tenant cells at half NGINX's TTFT p90: {j['half_nginx_ttft']} of {j['tenant_cells']}; "
+        f"with tokens/s >= 1.3 x NGINX's too: {j['half_nginx_ttft_and_tok_s']}",
+        "",
+        "misses:",
+        "",
+        table(misses, cols) if misses else "(none)",
+        "",
+        "every cell:",
+        "",
+        table(j["cells"], cols)])
+
+
+def plot(result: dict[str, Any], plt: Any) -> Any:
+    cells = result["verdict"]["cells"]
+    fig, ax = plt.subplots(figsize=(14, 5.5))
+    xs = list(range(len(cells)))
+    ys = [r["ttft_p90_vs_best"] for r in cells]
+    colors = ["tab:green" if r["no_worse"] else "tab:red" if r.get("beyond_noise") else "tab:orange" for r in cells]
+    with_ci = [(x, r) for x, r in zip(xs, cells) if "ttft_p90_vs_best_ci90" in r]
+    if with_ci:  # the seeds' ratio (each seed alike) and its interval, beside the pooled point
+        gm = [r.get("ttft_p90_vs_best_seeds_gm", sum(r["ttft_p90_vs_best_ci90"]) / 2) for _, r in with_ci]
+        lo = [min(g, r["ttft_p90_vs_best_ci90"][0]) for g, (_, r) in zip(gm, with_ci)]
+        hi = [max(g, r["ttft_p90_vs_best_ci90"][1]) for g, (_, r) in zip(gm, with_ci)]
+        ax.errorbar([x for x, _ in with_ci], gm, yerr=[[g - a for g, a in zip(gm, lo)], [b - g for g, b in zip(gm, hi)]],
+                    fmt="_", color="0.55", capsize=2, label="seeds' ratio (geometric mean), 90% interval")
+    ax.scatter(xs, ys, c=colors, s=18, zorder=3, label="all seeds pooled")
+    ax.axhline(1.03, color="tab:red", lw=0.8, ls="--", label="1.03 (the goal's bound)")
+    ax.axhline(1.0, color="0.5", lw=0.6)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), [r["cell"] for r in cells], rotation=90, fontsize=6)
+    ax.set_ylabel("TTFT p90 / best of least-outstanding, NGINX")
+    ax.set_title(f"{result['verdict']['target']}: {result['verdict']['no_worse']} of {len(cells)} cells within 3% "
+                 f"(green), misses within the seeds' noise (orange), beyond it (red); bars: 90% interval")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    rows, seeds = merged_rows(a.runs)
+    targets = {r["target"] for r in rows}
+    target = a.target
+    if target is None:
+        target = f"{rc.default_policy()}@{WORKERS_AUTO_16}"
+        target = target if target in targets else rc.default_policy()
+    if target not in targets:
+        print(f"error: --target={target!r}: no run has it (they have {', '.join(sorted(targets))})", file=sys.stderr)
+        return 2
+    j = judge(rows, target)
+    sources = [os.path.basename(p) for p in a.runs]
+    text = report(j, seeds, sources)
+    if a.no_write:
+        print(text)
+        return 0
+    write_result_md("routing_verdict", {"bench": "routing_verdict", "runs": sources, "seeds": seeds, "verdict": j},
+                    plot, a.out, "Issue 24's verdicts over routing_sim runs (bench/routing_verdict.py).", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
