@@ -267,9 +267,9 @@ def verdicts(rows: list[dict[str, Any]], default: str | None = None) -> list[dic
     """Per cell: `default` (the product's default policy unless named) against the best of
     least-outstanding and nginx (issue 24's goals). Where the rows carry their TTFTs per seed
     (routing_sim), also the 90% interval of the TTFT ratio over the seeds (`ratio_interval`; rows
-    read back from a written run: `seed_p90_interval`, around `ttft_p90_vs_best_seeds_gm`) and whether a miss is beyond that noise
-    (`beyond_noise`: even the interval's low end above 1.03, or tokens/s short by more than 3%,
-    which has no interval and moves far less between seeds)."""
+    read back from a written run: `seed_p90_interval`, around `ttft_p90_vs_best_seeds_gm`) and
+    whether a miss is beyond that noise (`beyond_noise`: even the interval's low end above 1.03,
+    or tokens/s short by more than 3%, which has no interval and moves far less between seeds)."""
     default = default or default_policy()
     by_cell: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:

@@ -433,7 +433,8 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     by = {(r["cell"], r["target"]): r for r in rows}
     fig, axes = plt.subplots(2, 1, figsize=(max(12, 0.22 * len(cells)), 8.5), sharex=True)
     xs = range(len(cells))
-    looks = {"cost-model": ("tab:green", "o"), "prefix-affinity": ("tab:olive", "x"), "round-robin": ("tab:gray", ".")}
+    looks = {"cost-model": ("tab:green", "o"), "prefix-affinity": ("tab:olive", "x"),
+             "round-robin": ("tab:gray", ".")}
     for target in result["targets"]:
         policy, _, workers = target.partition("@")  # a policy as N workers: squares
         if policy not in looks or (cells[0], target) not in by:
@@ -533,7 +534,8 @@ def main() -> int:
     for t in targets:
         if t.split("@")[0] in (rc.default_policy(), "cost-model") and t not in by_policy:
             by_policy[t] = rc.verdicts(rows, t)
-    others = {f"verdicts_{p.replace('-', '_').replace('@', '_at_')}": pv for p, pv in by_policy.items() if pv is not v}
+    others = {f"verdicts_{p.replace('-', '_').replace('@', '_at_')}": pv
+              for p, pv in by_policy.items() if pv is not v}
     for policy, pv in by_policy.items():
         if pv:
             print(f"\nverdicts ({policy} vs best of least-outstanding/nginx; vs nginx):")

@@ -3,8 +3,8 @@
     .venv/bin/python -m bench.routing_verdict RUN.json [RUN.json ...] [--target prefix-affinity@4] [--out DIR]
 
 Merges the runs' rows (a later file's row for the same cell and target wins) and judges
-`--target` (default: the product's default policy as `--proxy-workers auto` runs it on 16 cores,
-4 workers: `prefix-affinity@4`, or the policy alone where no run has that target) per cell against
+`--target` (default: the product's default policy as `--proxy-workers auto` runs it on the 16-core
+GPU machines, 4 workers: `prefix-affinity@4`; the policy alone where no run has that target) per cell against
 the best of least-outstanding and NGINX (routing_cells.verdicts): within 3% in TTFT p90 (all seeds'
 requests pooled) and tokens/s; the ratio of the seeds' p90s (geometric mean: each seed weighs alike)
 and its 90% interval over the seeds (the written rows keep each seed's p90, no more); and whether a
@@ -27,7 +27,13 @@ from bench import routing_cells as rc
 from bench.common import table, write_result_md
 
 TENANT_WORKLOADS = ("uniform", "zipf")
-WORKERS_AUTO_16 = 4  # --proxy-workers auto on the 16-core GPU machines
+GPU_MACHINE_CPUS = 16  # the lent GPU machines the routing benchmarks run on
+
+
+def default_target() -> str:
+    """The product's default policy as `--proxy-workers auto` runs it on those machines."""
+    from orchestrator.config import Settings
+    return f"{rc.default_policy()}@{Settings().worker_count(GPU_MACHINE_CPUS)}"
 
 
 def merged_rows(paths: list[Path]) -> tuple[list[dict[str, Any]], list[int]]:
@@ -89,14 +95,16 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     fig, ax = plt.subplots(figsize=(14, 5.5))
     xs = list(range(len(cells)))
     ys = [r["ttft_p90_vs_best"] for r in cells]
-    colors = ["tab:green" if r["no_worse"] else "tab:red" if r.get("beyond_noise") else "tab:orange" for r in cells]
+    colors = ["tab:green" if r["no_worse"] else "tab:red" if r.get("beyond_noise") else "tab:orange"
+              for r in cells]
     with_ci = [(x, r) for x, r in zip(xs, cells) if "ttft_p90_vs_best_ci90" in r]
     if with_ci:  # the seeds' ratio (each seed alike) and its interval, beside the pooled point
         gm = [r.get("ttft_p90_vs_best_seeds_gm", sum(r["ttft_p90_vs_best_ci90"]) / 2) for _, r in with_ci]
         lo = [min(g, r["ttft_p90_vs_best_ci90"][0]) for g, (_, r) in zip(gm, with_ci)]
         hi = [max(g, r["ttft_p90_vs_best_ci90"][1]) for g, (_, r) in zip(gm, with_ci)]
-        ax.errorbar([x for x, _ in with_ci], gm, yerr=[[g - a for g, a in zip(gm, lo)], [b - g for g, b in zip(gm, hi)]],
-                    fmt="_", color="0.55", capsize=2, label="seeds' ratio (geometric mean), 90% interval")
+        below, above = [g - a for g, a in zip(gm, lo)], [b - g for g, b in zip(gm, hi)]
+        ax.errorbar([x for x, _ in with_ci], gm, yerr=[below, above], fmt="_", color="0.55", capsize=2,
+                    label="seeds' ratio (geometric mean), 90% interval")
     ax.scatter(xs, ys, c=colors, s=18, zorder=3, label="all seeds pooled")
     ax.axhline(1.03, color="tab:red", lw=0.8, ls="--", label="1.03 (the goal's bound)")
     ax.axhline(1.0, color="0.5", lw=0.6)
@@ -120,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     targets = {r["target"] for r in rows}
     target = a.target
     if target is None:
-        target = f"{rc.default_policy()}@{WORKERS_AUTO_16}"
+        target = default_target()
         target = target if target in targets else rc.default_policy()
     if target not in targets:
         print(f"error: --target={target!r}: no run has it (they have {', '.join(sorted(targets))})", file=sys.stderr)
         return 2
     j = judge(rows, target)
+    if not j["cells"]:
+        print(f"error: --target={target!r}: no cell has it beside nginx (the runs must hold the baselines too)",
+              file=sys.stderr)
+        return 2
     sources = [os.path.basename(p) for p in a.runs]
     text = report(j, seeds, sources)
     if a.no_write:

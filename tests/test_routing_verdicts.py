@@ -100,5 +100,7 @@ def test_runs_written_apart_are_judged_together_the_later_row_winning(tmp_path, 
     assert routing_verdict.judge(routing_verdict.merged_rows([first])[0], "prefix-affinity@4")["beyond_noise"] == ["c"]
     assert routing_verdict.main([str(first), "--target", "cost-model", "--no-write"]) == 2
     assert "--target='cost-model'" in capsys.readouterr().err
+    assert routing_verdict.main([str(again), "--no-write"]) == 2  # the target without its baselines
+    assert "beside nginx" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="seeds"):
         routing_verdict.merged_rows([first, _run(tmp_path, "c.json", [], [3])])
