@@ -367,6 +367,51 @@ def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_pa
     assert m.backends.current()[1].engine.latest.routed == 2
 
 
+def test_counts_noted_before_a_policy_switch_are_not_sent_after_it(tmp_path):
+    # A reload to least-outstanding (whose choices note nothing) left the row as the last
+    # prefix-affinity choice wrote it: the daemon sent that count with every snapshot after, so
+    # a later switch back read fewer foreign requests than the engine had.
+    from orchestrator.controlplane.workers import WorkerPool
+    from orchestrator.dataplane.worker import dataplane_dir
+    from orchestrator.health.engine_state import EngineSnapshot, EngineView
+
+    ready = ReadyBackends()
+    pool = WorkerPool(Settings(lb_policy="prefix-affinity"), ready, tmp_path)
+    dataplane_dir(tmp_path).mkdir(mode=0o700)
+    pool._fresh_files()
+    sent: list[dict] = []
+
+    class Feed:
+        def broadcast(self, msg: dict) -> None:
+            sent.append(msg)
+
+    pool._feed = Feed()  # type: ignore[assignment]
+    pool._unsubscribe = ready.subscribe(pool._on_members)
+    view = EngineView()
+    ready.publish((Backend("1", "127.0.0.1", 9001, 9101, 9201, engine=view),))
+    table = SharedTable.open(tmp_path / "dataplane" / "table")
+    table.use_rows(1)
+    WorkerCounts(table, 0).acquire("1")
+    stamps = SharedStamps.open(tmp_path / "dataplane" / "turns")
+    stamps.note_count("1", 5)  # the last prefix-affinity choice read 5
+    view.update(EngineSnapshot(at=1.0, active=5, iteration=1.0))
+    assert sent[-1]["routed"] == 5
+    # as many workers as the settings want: a reload of the policy alone starts none
+    pool._slots = dict.fromkeys(range(Settings().worker_count()))  # type: ignore[assignment]
+    pool.apply_settings(Settings(lb_policy="least-outstanding"))
+    view.update(EngineSnapshot(at=1.1, active=1, iteration=2.0))
+    assert sent[-1]["routed"] == 1  # the count now: no choice reads counts any more
+    stamps.note_count("1", 5)  # a worker not yet reloaded, choosing once more by the old policy
+    view.update(EngineSnapshot(at=1.2, active=1, iteration=3.0))
+    assert sent[-1]["routed"] == 1
+    pool.apply_settings(Settings(lb_policy="prefix-affinity"))
+    view.update(EngineSnapshot(at=1.3, active=1, iteration=4.0))
+    assert sent[-1]["routed"] == 1  # until a choice of the new policy notes its count
+    stamps.note_count("1", 2)
+    view.update(EngineSnapshot(at=1.4, active=2, iteration=5.0))
+    assert sent[-1]["routed"] == 2
+
+
 # --- the feed ------------------------------------------------------------------------------------
 async def test_feed_catch_up_broadcast_reports_and_reconnect(tmp_path):
     path = tmp_path / "feed.sock"

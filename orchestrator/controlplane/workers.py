@@ -60,6 +60,7 @@ from orchestrator.errors import OrchError
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
 from orchestrator.routing.backends import Backend, ReadyBackends
+from orchestrator.routing.balancer import notes_counts
 from orchestrator.tasks import cancel_and_wait
 
 START_TIMEOUT_S = 30.0
@@ -416,6 +417,10 @@ class WorkerPool:
     def apply_settings(self, settings: Settings) -> None:
         old, self._settings = self._settings, settings
         self._write_settings()
+        if settings.lb_policy != old.lb_policy and self._stamps is not None:
+            # Counts noted before the switch (the old policy's, or an older noting one's) are
+            # not the counts of choices to come: `_routed` reads none until a choice notes again.
+            self._stamps.clear_counts()
         if self._feed is not None:
             self._feed.broadcast({"t": "settings", "settings": settings_to_json(settings)})
         want = settings.worker_count()
@@ -520,7 +525,9 @@ class WorkerPool:
             now = self._table.inflight(instance_index(iid))
         except (ValueError, TableError):
             return None
-        return now if self._stamps is None else self._stamps.routed(iid, now)
+        if self._stamps is None or not notes_counts(self._settings.lb_policy):
+            return now  # the row is as the last noting choice left it, maybe before a reload
+        return self._stamps.routed(iid, now)
 
     # --- what the daemon asks ------------------------------------------------------------------
     def state_record(self) -> dict[str, Any]:

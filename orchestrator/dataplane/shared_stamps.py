@@ -33,6 +33,7 @@ MAGIC = 0x7472746C6C747331  # "trtllts1"
 LAYOUT_VERSION = 1
 _HEADER_SIZE = 64  # as the shared table's (shared_table.create_sized)
 SIZE = _HEADER_SIZE + 16 * MAX_INSTANCES
+_ZEROS = memoryview(bytes(8 * MAX_INSTANCES)).cast("d")
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,6 +80,12 @@ class SharedStamps:
         for iid, n in counts.items():
             col = cols.get(iid)
             f64[(self._col(iid) if col is None else col) + MAX_INSTANCES] = n
+
+    def clear_counts(self) -> None:
+        """Every instance's count back to 0 (none noted), the stamps kept (the daemon, as the
+        routing policy changes)."""
+        start = (_HEADER_SIZE >> 3) + MAX_INSTANCES
+        self._f64[start:start + MAX_INSTANCES] = _ZEROS
 
     def count(self, instance_id: str) -> int:
         """The instance's count as the latest choice over it read it (0: none yet)."""

@@ -128,6 +128,13 @@ POLICIES: dict[str, Callable[[random.Random], Policy]] = {
 }
 
 
+def notes_counts(policy: str) -> bool:
+    """Whether `policy`'s choices write the counts they read to the workers' turns file
+    (dataplane/shared_stamps.py), which the daemon sends with each snapshot (`routed`). Under any
+    other policy that row holds what the last such choice read, however long ago."""
+    return getattr(POLICIES.get(policy), "NOTES_COUNTS", False)
+
+
 class Balancer:
     __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling",
                  "_view", "_counts_of", "_shared", "_prefix_index", "_journal", "_turns")

@@ -416,6 +416,8 @@ class _LoadAware:
     """What both policies share: the candidates, their loads, and the in-flight history. Ties
     are taken in turn (`_Turns`); `rng` is taken for the policies' common signature."""
 
+    NOTES_COUNTS = True  # each choice notes the counts it read where every worker does (`_counted`)
+
     def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic,
                  turns: "SharedTurns | None" = None) -> None:
         self._clock = clock
