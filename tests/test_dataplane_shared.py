@@ -327,13 +327,15 @@ def test_an_instance_that_leaves_loses_its_engine_view(tmp_path):
     assert view.latest is None
 
 
-def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_path):
+def _pool_publishing_one_instance(tmp_path, settings: Settings):
+    """A daemon's worker pool (no worker started) with instance "1" ready, the engine view it
+    publishes, and the feed's messages as it broadcasts them."""
     from orchestrator.controlplane.workers import WorkerPool
     from orchestrator.dataplane.worker import dataplane_dir
-    from orchestrator.health.engine_state import EngineSnapshot, EngineView
+    from orchestrator.health.engine_state import EngineView
 
     ready = ReadyBackends()
-    pool = WorkerPool(Settings(), ready, tmp_path)
+    pool = WorkerPool(settings, ready, tmp_path)
     dataplane_dir(tmp_path).mkdir(mode=0o700)
     pool._fresh_files()
     sent: list[dict] = []
@@ -346,6 +348,13 @@ def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_pa
     pool._unsubscribe = ready.subscribe(pool._on_members)
     view = EngineView()
     ready.publish((Backend("1", "127.0.0.1", 9001, 9101, 9201, engine=view),))
+    return pool, view, sent
+
+
+def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_path):
+    from orchestrator.health.engine_state import EngineSnapshot
+
+    pool, view, sent = _pool_publishing_one_instance(tmp_path, Settings())
     table = SharedTable.open(tmp_path / "dataplane" / "table")
     table.use_rows(3)
     WorkerCounts(table, 0).acquire("1")
@@ -371,24 +380,9 @@ def test_counts_noted_before_a_policy_switch_are_not_sent_after_it(tmp_path):
     # A reload to least-outstanding (whose choices note nothing) left the row as the last
     # prefix-affinity choice wrote it: the daemon sent that count with every snapshot after, so
     # a later switch back read fewer foreign requests than the engine had.
-    from orchestrator.controlplane.workers import WorkerPool
-    from orchestrator.dataplane.worker import dataplane_dir
-    from orchestrator.health.engine_state import EngineSnapshot, EngineView
+    from orchestrator.health.engine_state import EngineSnapshot
 
-    ready = ReadyBackends()
-    pool = WorkerPool(Settings(lb_policy="prefix-affinity"), ready, tmp_path)
-    dataplane_dir(tmp_path).mkdir(mode=0o700)
-    pool._fresh_files()
-    sent: list[dict] = []
-
-    class Feed:
-        def broadcast(self, msg: dict) -> None:
-            sent.append(msg)
-
-    pool._feed = Feed()  # type: ignore[assignment]
-    pool._unsubscribe = ready.subscribe(pool._on_members)
-    view = EngineView()
-    ready.publish((Backend("1", "127.0.0.1", 9001, 9101, 9201, engine=view),))
+    pool, view, sent = _pool_publishing_one_instance(tmp_path, Settings(lb_policy="prefix-affinity"))
     table = SharedTable.open(tmp_path / "dataplane" / "table")
     table.use_rows(1)
     WorkerCounts(table, 0).acquire("1")
