@@ -222,6 +222,18 @@ def default_policy() -> str:
     return next(f.default for f in dataclasses.fields(Settings) if f.name == "lb_policy")
 
 
+BASELINES = ("least-outstanding", "nginx")  # issue 24's goal: the default against the best of these
+
+
+def verdicts_field(target: str) -> str:
+    """Where a routing_sim run writes `target`'s verdicts: `verdicts` for the default as one
+    policy, `verdicts_<target>` beside it for the others (`prefix-affinity@4`:
+    `verdicts_prefix_affinity_at_4`)."""
+    if target == default_policy():
+        return "verdicts"
+    return f"verdicts_{target.replace('-', '_').replace('@', '_at_')}"
+
+
 # A row's TTFTs (ms) per seed, where the simulator kept them: the seeds are paired across targets
 # (a seed is the same arrivals and prompts for every target), so the verdict can say how far the
 # seeds' spread alone moves it.
@@ -284,7 +296,7 @@ def verdicts(rows: list[dict[str, Any]], default: str | None = None) -> list[dic
         if default not in t or "nginx" not in t:
             continue
         d, ngx = t[default], t["nginx"]
-        base = [t[k] for k in ("least-outstanding", "nginx") if k in t]
+        base = [t[k] for k in BASELINES if k in t]
         best_ttft = min(b["ttft_p90_ms"] for b in base)
         best_tps = max(b["out_tok_s"] for b in base)
         row = {"cell": name, "ttft_p90_vs_best": round(d["ttft_p90_ms"] / best_ttft, 3),

@@ -535,8 +535,7 @@ def main() -> int:
     for t in targets:
         if t.split("@")[0] in (rc.default_policy(), "cost-model") and t not in by_policy:
             by_policy[t] = rc.verdicts(rows, t)
-    others = {f"verdicts_{p.replace('-', '_').replace('@', '_at_')}": pv
-              for p, pv in by_policy.items() if pv is not v}
+    others = {rc.verdicts_field(p): pv for p, pv in by_policy.items() if pv is not v}
     for policy, pv in by_policy.items():
         if pv:
             print(f"\nverdicts ({policy} vs best of least-outstanding/nginx; vs nginx):")

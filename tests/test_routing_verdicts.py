@@ -94,7 +94,7 @@ def test_runs_written_apart_are_judged_together_the_later_row_winning(tmp_path, 
     first = _run(tmp_path, "a.json", [_written(t, slow if t == "prefix-affinity@4" else base)
                                       for t in ("prefix-affinity@4", "least-outstanding", "nginx")], [1, 2])
     again = _run(tmp_path, "b.json", [_written("prefix-affinity@4", base)], [1, 2])
-    rows, seeds = routing_verdict.merged_rows([first, again])
+    rows, seeds, _ = routing_verdict.merged_rows([first, again])
     j = routing_verdict.judge(rows, "prefix-affinity@4")
     assert seeds == [1, 2] and j["no_worse"] == 1 and not j["beyond_noise"]
     assert routing_verdict.judge(routing_verdict.merged_rows([first])[0], "prefix-affinity@4")["beyond_noise"] == ["c"]
@@ -104,3 +104,31 @@ def test_runs_written_apart_are_judged_together_the_later_row_winning(tmp_path, 
     assert "beside nginx" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="seeds"):
         routing_verdict.merged_rows([first, _run(tmp_path, "c.json", [], [3])])
+
+
+def test_a_cell_whose_target_and_baselines_one_run_judged_gets_that_runs_pooled_interval(tmp_path):
+    # One seed's queue carries the pooled p90 (seed 0's TTFTs 3 x). An interval around the seeds'
+    # geometric mean (each seed alike) can lie wholly below the pooled ratio the goal reads
+    # (s64/room1.5/mixed/r2 with 16 seeds: 1.047 pooled, [0.969, 1.042]); the run that had the
+    # TTFTs judged the pooled requests.
+    from bench import routing_verdict
+    base = _seeds(random.Random(7), 1.0)
+    lucky = [s if i else [x * 3 for x in s] for i, s in enumerate(base)]
+    with_ttfts = [_row("prefix-affinity@4", lucky), _row("least-outstanding", base), _row("nginx", base)]
+    (run_verdict,) = rc.verdicts(with_ttfts, "prefix-affinity@4")
+    written = [_written("prefix-affinity@4", lucky), _written("least-outstanding", base), _written("nginx", base)]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"bench": "routing_sim", "seeds": list(range(6)), "targets": [
+        "prefix-affinity@4", "least-outstanding", "nginx"], "rows": written,
+        rc.verdicts_field("prefix-affinity@4"): [run_verdict]}))
+    rows, _, pooled = routing_verdict.merged_rows([path])
+    (cell,) = routing_verdict.judge(rows, "prefix-affinity@4", pooled)["cells"]
+    assert cell["interval"] == "pooled" and cell["ttft_p90_vs_best_ci90"] == run_verdict["ttft_p90_vs_best_ci90"]
+    lo, hi = cell["ttft_p90_vs_best_ci90"]
+    assert lo <= cell["ttft_p90_vs_best"] <= hi
+    (seeds_only,) = routing_verdict.judge(rows, "prefix-affinity@4")["cells"]  # no run's verdict to reuse
+    assert seeds_only["interval"] == "seeds" and seeds_only["ttft_p90_vs_best_ci90"] != run_verdict["ttft_p90_vs_best_ci90"]
+    # the target rerun in a later file: its baselines are another run's, so the seeds' interval again
+    rerun = _run(tmp_path, "rerun.json", [_written("prefix-affinity@4", lucky)], list(range(6)))
+    rows, _, pooled = routing_verdict.merged_rows([path, rerun])
+    assert pooled == {} and routing_verdict.judge(rows, "prefix-affinity@4", pooled)["cells"][0]["interval"] == "seeds"
