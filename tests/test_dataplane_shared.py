@@ -376,6 +376,38 @@ def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_pa
     assert m.backends.current()[1].engine.latest.routed == 2
 
 
+def test_the_daemon_sends_its_eviction_verdict_with_each_snapshot_and_to_a_worker_that_connects(tmp_path):
+    import json
+    import math
+
+    from orchestrator.dataplane.feed import encode
+    from orchestrator.health.engine_state import EngineSnapshot
+    from orchestrator.routing.eviction import KvWrites
+
+    pool, view, sent = _pool_publishing_one_instance(tmp_path, Settings())
+    own = KvWrites()  # what a worker that saw every one of these snapshots would judge
+
+    def snap(at: float, finished: int, prompt_tokens: int) -> EngineSnapshot:
+        return EngineSnapshot(at=at, max_active=8, kv_max=200, kv_free=100, kv_used=100, tokens_per_block=64,
+                              iteration=at, finished=finished, input_tokens=prompt_tokens)
+
+    for s in (snap(1.0, 0, 0), snap(1.1, 0, 0), snap(6.0, 20, 150 * 64)):
+        view.update(s)
+        own.observe(s)
+        if s.at == 1.0:  # nothing judged gone yet: -inf, which the feed's JSON carries as such
+            assert json.loads(encode(sent[-1]))["gone_before"] == -math.inf
+    assert own.gone_before == 1.1 and sent[-1]["gone_before"] == own.gone_before
+    (catch_up,) = [m for m in pool._on_connect(0, {}) if m["t"] == "engine"]
+    assert catch_up["gone_before"] == own.gone_before
+    # what a worker rebuilds from the line the feed sends (WorkerMembership.on_engine)
+    msg = json.loads(encode(catch_up))
+    m = WorkerMembership(ReadyBackends(), SharedTable.open(tmp_path / "dataplane" / "table"), lambda msg: None,
+                         threshold=1)
+    m.on_members(member_list(2))
+    m.on_engine(msg["iid"], msg["snap"], msg.get("routed"), msg.get("gone_before"))
+    assert m.backends.current()[1].engine.latest.gone_before == 1.1
+
+
 def test_counts_noted_before_a_policy_switch_are_not_sent_after_it(tmp_path):
     # A reload to least-outstanding (whose choices note nothing) left the row as the last
     # prefix-affinity choice wrote it: the daemon sent that count with every snapshot after, so

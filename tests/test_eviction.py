@@ -258,3 +258,46 @@ def test_a_replaced_prefix_affinity_stops_listening():
     new = PrefixAffinity(random.Random(1), clock=clock, index=PrefixIndex(clock=clock))
     new.choose(bs, (), {}, None)
     assert len(bs[0].engine.listeners) == 1  # the dead one's listener made room for the new one
+
+
+def test_a_worker_that_starts_late_judges_eviction_as_the_daemon_does():
+    """A data-plane worker started (or a policy made by a reload) after a prefix was routed sees
+    the engine's snapshots from then on only: from those alone nothing looked computed since, and
+    it sent the tenant back to a holder every other worker judged evicted. The daemon's verdict,
+    sent with each snapshot (controlplane/workers.py, `gone_before`), is the same for all."""
+    import copy
+    import dataclasses
+
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    verdicts = {"0": KvWrites(), "1": KvWrites()}  # the daemon's, over every snapshot since the instances joined
+
+    def sent(iid: str, snap: EngineSnapshot) -> EngineSnapshot:
+        verdicts[iid].observe(snap)
+        return dataclasses.replace(snap, gone_before=verdicts[iid].gone_before)
+
+    early = PrefixAffinity(random.Random(1), clock=clock, index=index)
+    bs = backends_at(clock, sent("0", engine(clock.t)), sent("1", engine(clock.t)))
+    holder = early.choose(bs, (), {}, hints(1, "turn 1")).instance_id
+    clock.t += 0.1
+    scrape(bs, sent("0", engine(clock.t)), sent("1", engine(clock.t)))
+    clock.t += 5.0
+    latest = {iid: sent(iid, engine(clock.t, finished=20, prompt_tokens=150 * TPB) if iid == holder
+                        else engine(clock.t)) for iid in ("0", "1")}
+    scrape(bs, latest["0"], latest["1"])
+
+    def late_worker() -> PrefixAffinity:
+        """A worker that connects now: the routing as the shared index has it; it gets the latest
+        snapshots only (the feed's catch-up)."""
+        return PrefixAffinity(random.Random(2), clock=clock, index=copy.deepcopy(index))
+
+    late, unaided = late_worker(), late_worker()
+    chosen_late = late.choose(backends_at(clock, latest["0"], latest["1"]), (), {holder: 1}, hints(1, "turn 2"))
+    without = {iid: dataclasses.replace(s, gone_before=None) for iid, s in latest.items()}  # an older daemon
+    chosen_unaided = unaided.choose(backends_at(clock, without["0"], without["1"]), (), {holder: 1},
+                                    hints(1, "turn 2"))
+    chosen_early = early.choose(bs, (), {holder: 1}, hints(1, "turn 2"))
+    assert chosen_early.instance_id != holder and early.last_reason == "prefix-evicted"
+    assert chosen_late.instance_id == chosen_early.instance_id and late.last_reason == "prefix-evicted"
+    # what the verdict fixes: from its own snapshots alone the late worker judged the prefix there
+    assert chosen_unaided.instance_id == holder and unaided.last_reason == "prefix"

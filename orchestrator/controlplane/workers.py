@@ -61,6 +61,7 @@ from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.launcher.command import ENV_STATE_DIR
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import notes_counts
+from orchestrator.routing.eviction import KvWrites
 from orchestrator.tasks import cancel_and_wait
 
 START_TIMEOUT_S = 30.0
@@ -107,6 +108,9 @@ class WorkerPool:
         self._feed: FeedServer | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._hooked: dict[str, tuple[Any, Callable[[EngineSnapshot], None]]] = {}
+        # Each ready instance's eviction verdict over every snapshot since it joined, sent with
+        # each snapshot (`gone_before`): one verdict for every worker, late ones included.
+        self._evictions: dict[str, KvWrites] = {}
         self._stopping = False
         self._resize_task: asyncio.Task[None] | None = None
         # Live restore: workers a previous daemon left serving. Until this daemon's ready
@@ -271,6 +275,7 @@ class WorkerPool:
             with contextlib.suppress(ValueError):
                 view.listeners.remove(listener)
         self._hooked.clear()
+        self._evictions.clear()
         await self._close_own()
 
     async def detach(self) -> None:
@@ -468,7 +473,11 @@ class WorkerPool:
         for b in self._backends.current():
             snap = b.engine.latest if b.engine is not None else None
             if snap is not None:  # no "routed": the count now is not the count at its scrape
-                out.append({"t": "engine", "iid": b.instance_id, "snap": snap.as_dict()})
+                msg = {"t": "engine", "iid": b.instance_id, "snap": snap.as_dict()}
+                evictions = self._evictions.get(b.instance_id)
+                if evictions is not None:  # as of that snapshot, its latest
+                    msg["gone_before"] = evictions.gone_before
+                out.append(msg)
         return out
 
     def _on_message(self, slot_index: int, msg: dict[str, Any]) -> None:
@@ -509,9 +518,13 @@ class WorkerPool:
             self._hooked[b.instance_id] = (view, listener)
 
     def _engine_listener(self, iid: str) -> Callable[[EngineSnapshot], None]:
+        evictions = self._evictions[iid] = KvWrites()  # a new view: a new instance, nothing known of it
+
         def publish(snap: EngineSnapshot) -> None:
+            evictions.observe(snap)
             if self._feed is not None and any(b.instance_id == iid for b in self._backends.current()):
-                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict(), "routed": self._routed(iid)})
+                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict(), "routed": self._routed(iid),
+                                      "gone_before": evictions.gone_before})
         return publish
 
     def _routed(self, iid: str) -> int | None:

@@ -87,13 +87,15 @@ class WorkerMembership:
         """The daemon's last set, local ejections included (what the away prober checks)."""
         return self._published
 
-    def on_engine(self, iid: str, snapshot: dict[str, Any], routed: int | None = None) -> None:
+    def on_engine(self, iid: str, snapshot: dict[str, Any], routed: int | None = None,
+                  gone_before: float | None = None) -> None:
         """An engine snapshot as the daemon published it, with every worker's count in flight
-        there then (`routed`: beside the snapshot in the message, so a worker of an older
-        release, adopted by live restore, reads a snapshot of the fields it knows)."""
+        there then (`routed`) and the daemon's eviction verdict (`gone_before`): both beside the
+        snapshot in the message, so a worker of an older release, adopted by live restore, reads
+        a snapshot of the fields it knows."""
         view = self._views.get(iid)
         if view is not None:
-            view.update(EngineSnapshot(**snapshot, routed=routed))
+            view.update(EngineSnapshot(**snapshot, routed=routed, gone_before=gone_before))
 
     def set_connected(self, up: bool) -> None:
         self.daemon_connected = up

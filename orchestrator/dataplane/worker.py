@@ -234,7 +234,7 @@ class Worker:
             self.membership.on_members(msg["backends"])
             self._got_members.set()
         elif kind == "engine":
-            self.membership.on_engine(str(msg["iid"]), msg["snap"], msg.get("routed"))
+            self.membership.on_engine(str(msg["iid"]), msg["snap"], msg.get("routed"), msg.get("gone_before"))
         elif kind == "settings":
             self._apply(settings_from_json(msg["settings"]))
         elif kind == "send_sockets":

@@ -72,6 +72,12 @@ class EngineSnapshot:
     # the count at its own choices miss what the other workers sent meanwhile
     # (llm_policies.SharedTurns has the simulator's numbers).
     routed: int | None = None
+    # Not the engine's either: the daemon's eviction verdict as of this snapshot (routing/
+    # eviction.py's `gone_before`: a prefix last routed here before this monotonic time is surely
+    # gone; -inf: none is), worked out once from every snapshot since the instance joined, so
+    # every worker, however late it started, judges alike. None: not sent (an older daemon, the
+    # simulator): each policy judges from the snapshots it saw.
+    gone_before: float | None = None
 
     @property
     def has_engine(self) -> bool:
@@ -88,10 +94,11 @@ class EngineSnapshot:
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Every field the engine reports, for the data-plane feed (EngineSnapshot(**d) rebuilds
-        it). Not `routed`, which the feed sends beside it: a worker of an older release, adopted by
-        live restore, knows no such field, and a snapshot with it would not build there."""
+        it). Not `routed` nor `gone_before`, which the feed sends beside it: a worker of an older
+        release, adopted by live restore, knows no such field, and a snapshot with it would not
+        build there."""
         d = asdict(self)
-        del d["routed"]
+        del d["routed"], d["gone_before"]
         return d
 
     def describe(self) -> dict[str, float | int | None]:

@@ -22,10 +22,13 @@ cache it will not find. That is the multi-turn chat cell of bench/routing_cells.
 turn): prefix-affinity kept each conversation where its history had been, its instances queued,
 TTFT p90 1.34-1.50 x NGINX least_conn's on the GPU machine (bench/README.md).
 
-What the engine computed comes from its cumulative counters, which every data-plane worker
-receives alike (dataplane/feed.py), so every worker judges alike: the prompt and output tokens
-of the requests it finished (nv_llm_input/output_token_len's sums) over the block size, and the
-prompt blocks it took from the cache (`reused`). Those move at different instants: a reuse when
+What the engine computed comes from its cumulative counters. The daemon judges from every
+snapshot since the instance joined and sends its verdict with each one (controlplane/workers.py,
+EngineSnapshot.gone_before), so every data-plane worker judges alike, one started after the
+routing too (from the snapshots since its own start it judged "still there"); a policy without
+it (the simulator, a worker under an older daemon) judges from what it saw. The counters: the
+prompt and output tokens of the requests it finished (nv_llm_input/output_token_len's sums) over
+the block size, and the prompt blocks it took from the cache (`reused`). Those move at different instants: a reuse when
 a request starts, its tokens when it ends, seconds apart when requests queue. Subtracting the
 reuses of a span from the tokens of the same span was wrong by whole prompts: on the GPU
 machine (routing_matrix_device.sh, 8 tenants of 2048-token prefixes, 32 blocks of 33.5 reused)

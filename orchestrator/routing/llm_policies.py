@@ -530,7 +530,13 @@ class PrefixAffinity(_LoadAware):
         w = self._writes.get(iid)
         if w is None:
             w = self._writes[iid] = KvWrites()
-        w.observe(snap)
+        if snap.gone_before is not None:
+            # The daemon's verdict from every snapshot since the instance joined: a worker that
+            # started late, or a policy a reload made, has only the snapshots since, and judged
+            # prefixes routed before them "still there" where the others judged them gone.
+            w.gone_before = snap.gone_before
+        else:
+            w.observe(snap)
         self.history.prime(iid, snap, self._clock())
 
     def _held(self, keys: Sequence[bytes | None]) -> tuple[dict[str, int], bool]:
