@@ -4,6 +4,7 @@ judged from the engine's own counters, and what prefix-affinity does with the ve
 from __future__ import annotations
 
 import gc
+import math
 import random
 
 import pytest
@@ -301,3 +302,13 @@ def test_a_worker_that_starts_late_judges_eviction_as_the_daemon_does():
     assert chosen_late.instance_id == chosen_early.instance_id and late.last_reason == "prefix-evicted"
     # what the verdict fixes: from its own snapshots alone the late worker judged the prefix there
     assert chosen_unaided.instance_id == holder and unaided.last_reason == "prefix"
+    # A daemon restarted under live restore knows nothing of the past yet (-inf): the workers it
+    # adopted keep the verdict of what they saw.
+    clock.t += 0.1
+    fresh_daemon = [dataclasses.replace(engine(clock.t, finished=20, prompt_tokens=150 * TPB) if iid == holder
+                                        else engine(clock.t), gone_before=-math.inf) for iid in ("0", "1")]
+    scrape(bs, *fresh_daemon)
+    # (turn 2 made a copy where it went: by load alone the holder, idle now, would take turn 3)
+    other = chosen_early.instance_id
+    assert early.choose(bs, (), {holder: 0, other: 1}, hints(1, "turn 3")).instance_id == other
+    assert early.last_reason == "prefix"

@@ -75,8 +75,10 @@ class EngineSnapshot:
     # Not the engine's either: the daemon's eviction verdict as of this snapshot (routing/
     # eviction.py's `gone_before`: a prefix last routed here before this monotonic time is surely
     # gone; -inf: none is), worked out once from every snapshot since the instance joined, so
-    # every worker, however late it started, judges alike. None: not sent (an older daemon, the
-    # simulator): each policy judges from the snapshots it saw.
+    # every worker, however late it started, judges alike (the later of it and the policy's own
+    # cutoff holds: a daemon restarted under live restore knows less than the workers it
+    # adopted). None: not sent (an older daemon, the simulator): each policy judges from the
+    # snapshots it saw.
     gone_before: float | None = None
 
     @property

@@ -25,8 +25,10 @@ TTFT p90 1.34-1.50 x NGINX least_conn's on the GPU machine (bench/README.md).
 What the engine computed comes from its cumulative counters. The daemon judges from every
 snapshot since the instance joined and sends its verdict with each one (controlplane/workers.py,
 EngineSnapshot.gone_before), so every data-plane worker judges alike, one started after the
-routing too (from the snapshots since its own start it judged "still there"); a policy without
-it (the simulator, a worker under an older daemon) judges from what it saw. The counters: the
+routing too (from the snapshots since its own start it judged "still there"). Each verdict is
+sure, so a policy keeps the later of the daemon's and its own cutoff (a daemon restarted under
+live restore knows less than the workers it adopted); one without the daemon's (the simulator, a
+worker under an older daemon) judges from what it saw. The counters: the
 prompt and output tokens of the requests it finished (nv_llm_input/output_token_len's sums) over
 the block size, and the prompt blocks it took from the cache (`reused`). Those move at different instants: a reuse when
 a request starts, its tokens when it ends, seconds apart when requests queue. Subtracting the

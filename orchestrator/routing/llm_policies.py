@@ -530,13 +530,14 @@ class PrefixAffinity(_LoadAware):
         w = self._writes.get(iid)
         if w is None:
             w = self._writes[iid] = KvWrites()
-        if snap.gone_before is not None:
+        w.observe(snap)
+        if snap.gone_before is not None and snap.gone_before > w.gone_before:
             # The daemon's verdict from every snapshot since the instance joined: a worker that
             # started late, or a policy a reload made, has only the snapshots since, and judged
-            # prefixes routed before them "still there" where the others judged them gone.
+            # prefixes routed before them "still there" where the others judged them gone. Both
+            # verdicts are sure, so the later cutoff holds; a daemon that restarted (live restore)
+            # knows less than the workers it adopted, and they keep their own until it catches up.
             w.gone_before = snap.gone_before
-        else:
-            w.observe(snap)
         self.history.prime(iid, snap, self._clock())
 
     def _held(self, keys: Sequence[bytes | None]) -> tuple[dict[str, int], bool]:
