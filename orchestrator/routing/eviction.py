@@ -28,12 +28,12 @@ EngineSnapshot.gone_before), so every data-plane worker judges alike, one starte
 routing too (from the snapshots since its own start it judged "still there"). Each verdict is
 sure, so a policy keeps the later of the daemon's and its own cutoff (a daemon restarted under
 live restore knows less than the workers it adopted); one without the daemon's (the simulator, a
-worker under an older daemon) judges from what it saw. The counters: the
-prompt and output tokens of the requests it finished (nv_llm_input/output_token_len's sums) over
-the block size, and the prompt blocks it took from the cache (`reused`). Those move at different instants: a reuse when
-a request starts, its tokens when it ends, seconds apart when requests queue. Subtracting the
-reuses of a span from the tokens of the same span was wrong by whole prompts: on the GPU
-machine (routing_matrix_device.sh, 8 tenants of 2048-token prefixes, 32 blocks of 33.5 reused)
+worker under an older daemon) judges from what it saw. The counters: the prompt and output
+tokens of the requests it finished (nv_llm_input/output_token_len's sums) over the block size,
+and the prompt blocks it took from the cache (`reused`). Those move at different instants: a
+reuse when a request starts, its tokens when it ends, seconds apart when requests queue.
+Subtracting the reuses of a span from the tokens of the same span was wrong by whole prompts: on
+the GPU machine (routing_matrix_device.sh, 8 tenants of 2048-token prefixes, 32 blocks of 33.5 reused)
 a span in which queued requests finished counted their 33.5 blocks each as computed, and
 prefixes still cached were judged gone (TTFT p90 617-743 ms -> 1442-3950, KV hit 0.86 -> 0.76).
 So the prompt blocks of a span count at the hit rate of the whole kept window (KEEP_S), where

@@ -416,7 +416,9 @@ class _LoadAware:
     """What both policies share: the candidates, their loads, and the in-flight history. Ties
     are taken in turn (`_Turns`); `rng` is taken for the policies' common signature."""
 
-    NOTES_COUNTS = True  # each choice notes the counts it read where every worker does (`_counted`)
+    # With the workers' shared turns, each choice writes the counts it read to the turns file
+    # (`_counted`), which the daemon sends with each snapshot (balancer.notes_counts).
+    NOTES_COUNTS = True
 
     def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic,
                  turns: "SharedTurns | None" = None) -> None:
