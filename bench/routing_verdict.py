@@ -82,8 +82,6 @@ def judge(rows: list[dict[str, Any]], target: str,
             r["interval"] = "pooled"
         elif "ttft_p90_vs_best_ci90" in r:
             r["interval"] = "seeds"
-
-
     tenant = [r for r in v if set(r["cell"].split("/")) & set(rc.TENANT_WORKLOADS)]  # s8/room4/<workload>/r1
     for r in tenant:
         r["half_nginx"] = r["ttft_p90_vs_nginx"] <= rc.HALF_TTFT and r["tok_s_vs_nginx"] >= rc.GAIN_TOK_S
