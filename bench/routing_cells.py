@@ -34,7 +34,7 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from bench.common import pct
 
@@ -246,14 +246,18 @@ def ratio_interval(default: list[list[float]], baselines: list[list[list[float]]
     """90% bootstrap interval of TTFT p90 (default / the best baseline), seeds resampled with
     replacement, the same seeds for every target (paired): each resample pools the drawn seeds'
     requests, as the point estimate pools them all."""
-    k = len(default)
-    ratios = []
-    for _ in range(resamples):
-        pick = [rng.randrange(k) for _ in range(k)]
+    def pooled(pick: Sequence[int]) -> float:
         d = pct([x for i in pick for x in default[i]], 90)
         best = min(pct([x for i in pick for x in b[i]], 90) for b in baselines)
-        ratios.append(d / best if d is not None and best else math.inf)
-    ratios.sort()
+        return d / best if d is not None and best else math.inf
+
+    return _seed_bootstrap(len(default), pooled, rng, resamples)
+
+
+def _seed_bootstrap(k: int, ratio: Callable[[Sequence[int]], float], rng: random.Random,
+                    resamples: int) -> tuple[float, float]:
+    """The 90% interval of `ratio` over `resamples` draws of k seeds with replacement."""
+    ratios = sorted(ratio([rng.randrange(k) for _ in range(k)]) for _ in range(resamples))
     return ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]
 
 
@@ -274,10 +278,7 @@ def seed_p90_interval(default: list[float], baselines: list[list[float]], rng: r
                       resamples: int = 2000) -> tuple[float, float]:
     """`ratio_interval` for rows read back from a written run, which keep each seed's TTFT p90
     only: seeds resampled with replacement (paired), each resample's ratio `seed_p90_ratio`."""
-    k = len(default)
-    ratios = sorted(seed_p90_ratio(default, baselines, [rng.randrange(k) for _ in range(k)])
-                    for _ in range(resamples))
-    return ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]
+    return _seed_bootstrap(len(default), lambda pick: seed_p90_ratio(default, baselines, pick), rng, resamples)
 
 
 def verdicts(rows: list[dict[str, Any]], default: str | None = None) -> list[dict[str, Any]]:

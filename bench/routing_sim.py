@@ -443,7 +443,7 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
         for ax, key, best in ((axes[0], "ttft_p90_ms", min), (axes[1], "out_tok_s", max)):
             ys = []
             for c in cells:
-                base = [by[(c, t)][key] for t in ("least-outstanding", "nginx") if (c, t) in by]
+                base = [by[(c, t)][key] for t in rc.BASELINES if (c, t) in by]
                 ys.append(by[(c, target)][key] / best(base) if base and best(base) else float("nan"))
             ax.plot(xs, ys, marker, color=color, label=target, markersize=5)
     bounds = ((axes[0], rc.NO_WORSE_TTFT, rc.HALF_TTFT), (axes[1], rc.NO_WORSE_TOK_S, rc.GAIN_TOK_S))
