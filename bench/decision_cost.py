@@ -161,7 +161,9 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
         hints_us.append((time.perf_counter() - t0) / len(texts) * 1e6)
     return {"policy": policy_name, "instances": instances, "prompts": kind, "rate": rate,
             "keys": len(hints[0].prompt_keys), "us": round(statistics.median(pick_us), 1),
-            "hints_us": round(statistics.median(hints_us), 1), "reason": balancer.last_reason}
+            "hints_us": round(statistics.median(hints_us), 1), "reason": balancer.last_reason,
+            # the prefix index's slots in C (_prefix_slots.c) or in Python (not built; an older tree)
+            "compiled": getattr(index, "compiled", False)}
 
 
 def child(tree: Path, config: tuple[str, int, str, str]) -> tuple[list[str], dict[str, str]]:

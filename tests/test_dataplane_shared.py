@@ -605,9 +605,10 @@ def test_prefix_depths_are_found_by_bisection_as_a_walk_would(tmp_path):
 
 
 def test_prefix_recorded_again_within_the_rewrite_window_is_not_rewritten(tmp_path):
+    """The Python slots' saving (the compiled ones write every time: test_prefix_slots.py)."""
     from orchestrator.dataplane.shared_prefix import REWRITE_S
     clock = Clock()
-    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock)
+    a = SharedPrefixIndex.create(tmp_path / "p", slots=1024, clock=clock, native=False)
     a.record(keys("x", 3), "1")
     clock.t += REWRITE_S / 2
     a.record(keys("x", 3), "1")  # a hot prefix: its time is not written again so soon

@@ -25,10 +25,12 @@ daemon creates the file zeroed at `up`.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from orchestrator.dataplane.shared_table import MAX_INSTANCES, TableError, create_mapped, instance_index, open_mapped
 from orchestrator.routing.prefix_index import DEFAULT_TTL_S, recorded
@@ -58,6 +60,7 @@ _IDS_OFF = KEY_BYTES + 8 * HOLDERS
 # and how many such writes it remembers (then it forgets them all and writes again).
 REWRITE_S = 0.02
 WRITTEN_KEYS = 8192
+_INSTANCE_NAMES = tuple(str(i) for i in range(MAX_INSTANCES))  # match's keys: instance ids are indexes
 
 
 def file_size(slots: int) -> int:
@@ -66,7 +69,7 @@ def file_size(slots: int) -> int:
 
 class SharedPrefixIndex:
     def __init__(self, path: Path, mm: mmap.mmap, slots: int, ttl_s: float = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, native: bool = True) -> None:
         self.path = path
         self._mm = mm
         self._slots = slots
@@ -76,6 +79,8 @@ class SharedPrefixIndex:
         self._forgotten = memoryview(mm)[_FORGOTTEN_OFF:_SLOTS_OFF].cast("d")
         # chunk key -> (instance index, when this worker last wrote it there): record()'s skip
         self._written: dict[bytes, tuple[int, float]] = {}
+        # The slots read and written in C where the module was built (_prefix_slots.c), else here.
+        self._native = _compiled_slots(mm, slots) if native else None
 
     @classmethod
     def create(cls, path: Path, slots: int = SLOTS, **kw) -> "SharedPrefixIndex":
@@ -95,8 +100,16 @@ class SharedPrefixIndex:
         return cls(path, mm, slots, **kw)
 
     def close(self) -> None:
+        if self._native is not None:
+            self._native.release()
         self._forgotten.release()
         self._mm.close()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the slots are read and written by the compiled module (bench reports say)."""
+        return self._native is not None
+
 
     # --- the PrefixIndex interface ------------------------------------------------------
     def match(self, keys: Sequence[bytes | None]) -> tuple[int, dict[str, int]]:
@@ -116,6 +129,8 @@ class SharedPrefixIndex:
         neighbourhood) does not cut the chain as a linear walk would: the engine was routed it
         all the same."""
         n = len(keys)
+        if self._native is not None:
+            return self._native.match_recency(keys, recorded(n), self._clock() - self.ttl_s)
         if not n:
             return 0, {}
         oldest = self._clock() - self.ttl_s
@@ -153,8 +168,12 @@ class SharedPrefixIndex:
         """`keys` were routed to the instance now (those at the positions `recorded` are written).
         A key this worker wrote for the same instance less than REWRITE_S ago is not written
         again: a hot prefix is routed hundreds of times a second, and the times it would refresh
-        serve the TTL (minutes) and the eviction verdict (scrapes 100 ms apart)."""
+        serve the TTL (minutes) and the eviction verdict (scrapes 100 ms apart). The compiled
+        slots write every time: a write costs them nanoseconds, and the times stay exact."""
         idx = instance_index(instance_id)
+        if self._native is not None:
+            self._native.record(keys, recorded(len(keys)), idx, self._clock())
+            return
         ident = idx + 1
         now = self._clock()
         written = self._written
@@ -260,6 +279,18 @@ class SharedPrefixIndex:
                 pos = times.index(min(times))
             _ID.pack_into(mm, off + _IDS_OFF + 4 * pos, idx + 1)
         _TIME.pack_into(mm, off + KEY_BYTES + 8 * pos, now)
+
+
+def _compiled_slots(mm: mmap.mmap, slots: int) -> Any:
+    """The compiled slots over `mm` (_prefix_slots.c), or None where the module was not built
+    (setup.py builds it where a C compiler is; TRTLLM_ORCH_PURE_PYTHON=1 leaves it out)."""
+    if os.environ.get("TRTLLM_ORCH_PURE_PYTHON") == "1":
+        return None
+    try:
+        from orchestrator.dataplane._prefix_slots import Slots
+    except ImportError:
+        return None
+    return Slots(mm, _SLOTS_OFF, slots, _FORGOTTEN_OFF, PROBE, _INSTANCE_NAMES, KEY_BYTES, HOLDERS, SLOT_SIZE)
 
 
 def _key16(key: bytes) -> bytes:

@@ -1,0 +1,7 @@
+"""The one part of trtllm-orch that is compiled: the shared prefix index's slot operations
+(orchestrator/dataplane/_prefix_slots.c). Optional: where no C compiler is, the install goes on
+and the index runs the same operations in Python (slower per routing decision, same answers)."""
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("orchestrator.dataplane._prefix_slots", ["orchestrator/dataplane/_prefix_slots.c"],
+                             optional=True)])
