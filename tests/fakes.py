@@ -4,6 +4,7 @@
 `health.checks.InstanceChecks`: the instance's supervisor runs its real code
 (state machine, health loop, backoff, passive health) against scripted answers,
 without a process or a socket. The real ones are tested end to end elsewhere.
+`ManualClock` is a clock the test moves, for the routing policies and shared indexes.
 """
 
 from __future__ import annotations
@@ -137,3 +138,13 @@ class _RecordedHealth:
 
     def success(self) -> None:
         self._owner.successes.append(self._iid)
+
+
+class ManualClock:
+    """A clock that moves only when a test sets `t` (the policies' and indexes' `clock`)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t

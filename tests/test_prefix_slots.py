@@ -14,20 +14,13 @@ import pytest
 
 from orchestrator.dataplane.shared_prefix import REWRITE_S, SharedPrefixIndex
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, chunk_keys
+from tests.fakes import ManualClock
 
 pytestmark = pytest.mark.unit
 
 
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def pair(tmp_path, slots: int, ttl_s: float = 600.0):
-    clock = Clock()
+    clock = ManualClock()
     compiled = SharedPrefixIndex.create(tmp_path / "compiled", slots=slots, ttl_s=ttl_s, clock=clock)
     python = SharedPrefixIndex.create(tmp_path / "python", slots=slots, ttl_s=ttl_s, clock=clock, native=False)
     assert compiled.compiled, "orchestrator/dataplane/_prefix_slots.c is not built (scripts/bootstrap builds it)"

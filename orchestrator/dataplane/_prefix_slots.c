@@ -133,6 +133,18 @@ static int read_key(PyObject *keys, Py_ssize_t i, unsigned char out[KEY_BYTES]) 
     return key16(PySequence_Fast_GET_ITEM(keys, i), out);
 }
 
+/* The keys and their recorded positions as sequences read by index (new references). */
+static int as_sequences(PyObject *keys_in, PyObject *positions_in, PyObject **keys, PyObject **positions) {
+    *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (*keys == NULL) return -1;
+    *positions = PySequence_Fast(positions_in, "positions must be a sequence");
+    if (*positions == NULL) {
+        Py_CLEAR(*keys);
+        return -1;
+    }
+    return 0;
+}
+
 /* match_recency(keys, positions, oldest) -> (len(keys), {instance id: (depth, routed at)}):
    shared_prefix.SharedPrefixIndex.match_recency's bisection over the recorded positions. */
 static PyObject *Slots_match_recency(Slots *s, PyObject *args) {
@@ -140,13 +152,8 @@ static PyObject *Slots_match_recency(Slots *s, PyObject *args) {
     double oldest;
     if (!s->held) return PyErr_Format(PyExc_ValueError, "the shared prefix index is closed");
     if (!PyArg_ParseTuple(args, "OOd", &keys_in, &positions_in, &oldest)) return NULL;
-    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
-    if (keys == NULL) return NULL;
-    PyObject *positions = PySequence_Fast(positions_in, "positions must be a sequence");
-    if (positions == NULL) {
-        Py_DECREF(keys);
-        return NULL;
-    }
+    PyObject *keys, *positions;
+    if (as_sequences(keys_in, positions_in, &keys, &positions) < 0) return NULL;
     PyObject *found = PyDict_New(), *result = NULL;
     Holders stack_seen[STACK_POSITIONS], *seen = stack_seen;
     char stack_known[STACK_POSITIONS], *known = stack_known;
@@ -278,13 +285,8 @@ static PyObject *Slots_record(Slots *s, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOid", &keys_in, &positions_in, &idx, &now)) return NULL;
     if (idx < 0 || idx >= s->max_instances)
         return PyErr_Format(PyExc_ValueError, "instance index %d: the index holds 0..%d", idx, s->max_instances - 1);
-    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
-    if (keys == NULL) return NULL;
-    PyObject *positions = PySequence_Fast(positions_in, "positions must be a sequence");
-    if (positions == NULL) {
-        Py_DECREF(keys);
-        return NULL;
-    }
+    PyObject *keys, *positions;
+    if (as_sequences(keys_in, positions_in, &keys, &positions) < 0) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), npos = PySequence_Fast_GET_SIZE(positions);
     unsigned char key[KEY_BYTES];
