@@ -12,7 +12,7 @@ from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints, loads, requests
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
-from orchestrator.routing.prefix_index import PrefixIndex, chunk_keys
+from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex, chunk_keys
 from orchestrator.routing.prompt import prompt_of_grpc, prompt_of_json
 
 pytestmark = pytest.mark.unit
@@ -313,6 +313,18 @@ def test_chunk_keys_are_a_chain():
     k2 = chunk_keys("c" * 256 + "b" * 256)
     assert len(k1) == 2 and k1[1] != k2[1]  # the same second chunk after another first one
     assert chunk_keys("short") == []
+
+
+def test_each_chunk_key_is_the_digest_of_the_whole_prefix_up_to_it():
+    """The incremental digests are those of each prefix hashed alone: what two workers, or a
+    worker before and after a restart, compute for the same prompt is the same."""
+    from xxhash import xxh3_128
+    text = "".join(f"{i} \u00e9\u4e16 " for i in range(3000))  # multi-byte characters across chunk edges
+    keys = chunk_keys(text)
+    assert len(keys) == 64 and sum(k is not None for k in keys) == 11
+    for p, key in enumerate(keys):
+        if key is not None:
+            assert key == xxh3_128(text[:(p + 1) * DEFAULT_CHUNK_CHARS].encode()).digest()
 
 
 def test_prompt_of_json_generate_and_infer():

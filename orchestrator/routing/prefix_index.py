@@ -15,11 +15,12 @@ read (`recorded`): a prefix is found at the deepest of them it shares.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+
+from xxhash import xxh3_128
 
 DEFAULT_CHUNK_CHARS = 256  # ~64 tokens: a few KV blocks of 16-32 tokens
 DEFAULT_MAX_CHUNKS = 65536
@@ -55,17 +56,21 @@ def chunk_keys(prompt: str, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: 
     as a full block by the engine either): one per chunk, the key of chunk i covering chunks
     0..i. Only the positions the indexes read (`recorded`) are digested, the others are None:
     the proxy hashes every prompt once per request, and a 64-chunk prompt's 64 digests cost
-    about as much as hashing its text (64 -> 37 us for 16k characters on the 2-core box)."""
+    about as much as hashing its text (64 -> 37 us for 16k characters on the 2-core box).
+
+    The hash is XXH3's 128 bits (xxhash), not a cryptographic one: 16k characters cost 4 us
+    where BLAKE2b cost 25 (bench/README.md, decision_cost). A key only routes: a client who
+    makes its prompt's key equal another prompt's must know that prompt, and could send it."""
     n = min(len(prompt) // chunk_chars, max_chunks)
     keys: list[bytes | None] = [None] * n
-    h = hashlib.blake2b(digest_size=16)
+    h = xxh3_128()
     done = 0
     for p in recorded(n):
         end = (p + 1) * chunk_chars
         # UTF-8 encodes code point by code point: the slices' bytes chain as the whole text's
         h.update(prompt[done:end].encode("utf-8", "surrogatepass"))
         done = end
-        keys[p] = h.copy().digest()
+        keys[p] = h.digest()  # the digest so far; the state goes on
     return keys
 
 
