@@ -83,5 +83,7 @@ def test_compiled_slots_write_every_time_and_refuse_a_closed_index(tmp_path):
     assert compiled.match_recency(keys) == (3, {"1": (3, clock.t)})
     with pytest.raises(Exception):
         compiled.record(keys, "256")  # past the table's instances, as the Python slots refuse it
+    with pytest.raises(IndexError):  # a position past the prompt's keys is refused, not read
+        compiled._native.record(keys, (0, 3), 1, clock.t)
     compiled.close()
     python.close()

@@ -130,6 +130,10 @@ static int put_found(Slots *s, PyObject *found, int idx, Py_ssize_t depth, doubl
 }
 
 static int read_key(PyObject *keys, Py_ssize_t i, unsigned char out[KEY_BYTES]) {
+    if (i < 0 || i >= PySequence_Fast_GET_SIZE(keys)) {  /* positions past the prompt: a caller's bug */
+        PyErr_Format(PyExc_IndexError, "position %zd of %zd keys", i, PySequence_Fast_GET_SIZE(keys));
+        return -1;
+    }
     return key16(PySequence_Fast_GET_ITEM(keys, i), out);
 }
 
@@ -288,15 +292,11 @@ static PyObject *Slots_record(Slots *s, PyObject *args) {
     PyObject *keys, *positions;
     if (as_sequences(keys_in, positions_in, &keys, &positions) < 0) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), npos = PySequence_Fast_GET_SIZE(positions);
+    Py_ssize_t npos = PySequence_Fast_GET_SIZE(positions);
     unsigned char key[KEY_BYTES];
     for (Py_ssize_t i = 0; i < npos; i++) {
         Py_ssize_t p = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(positions, i));
         if (p == -1 && PyErr_Occurred()) goto done;
-        if (p < 0 || p >= n) {
-            PyErr_Format(PyExc_IndexError, "position %zd of %zd keys", p, n);
-            goto done;
-        }
         if (read_key(keys, p, key) < 0) goto done;
         unsigned char *first = slot_at(s, le64(key), 0);
         if (memcmp(first, key, KEY_BYTES) == 0) add_holder(first, idx, now);  /* the common case */
