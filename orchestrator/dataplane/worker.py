@@ -150,8 +150,9 @@ class Worker:
             # What start-up made lives as long as the worker: out of the collector's sight, so
             # the collections that requests' short-lived cycles trigger do not walk it again.
             gc.freeze()
-            self._log.info("data-plane worker %d pid=%d serving (%s)", self.slot, os.getpid(),
-                           ", ".join(type(p).__name__ for p in self.proxies))
+            self._log.info("data-plane worker %d pid=%d serving (%s; prefix index slots in %s)", self.slot,
+                           os.getpid(), ", ".join(type(p).__name__ for p in self.proxies),
+                           "C" if self.prefixes.compiled else "Python")
             await self._stop.wait()
             self._log.info("data-plane worker %d draining (grace %.1fs)", self.slot, self._grace_s)
             for proxy in self.proxies:
