@@ -207,6 +207,7 @@ class Triton:
             env[key] = value + os.pathsep + env[key] if env.get(key) else value
         env["DEMO_TOKEN_DELAY_MS"] = "5"
         self.log = log
+        self.shm_prefix = f"gp{name}_{os.getpid()}_"
         self.proc = subprocess.Popen(
             [setup.binary, *(f"--model-repository={r}" for r in setup.repos),
              f"--backend-directory={setup.backends}", "--model-control-mode=explicit",
@@ -215,7 +216,7 @@ class Triton:
              "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc}",
              "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics}",
              # Distinct shm prefixes: two servers on one host must not share regions.
-             f"--backend-config=python,shm-region-prefix-name=gp{name}_{os.getpid()}_",
+             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
              "--log-verbose=0"],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         reaper.watch(self.proc.pid)
@@ -249,6 +250,9 @@ class Triton:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
+        # SIGKILLed stubs leave their regions in /dev/shm (RAM), as the launcher knows (group.py)
+        for path in Path("/dev/shm").glob(self.shm_prefix + "*"):
+            path.unlink(missing_ok=True)
 
     def success_count(self, model: str) -> int:
         client = tritonclient_grpc.InferenceServerClient(self.target)
