@@ -16,6 +16,11 @@ neighbourhood evicts the slot used least recently. Each key keeps up to HOLDERS
 instances (the oldest is replaced). `forget_instance` writes one number (records
 older than it are void) instead of scanning the table.
 
+The slots are read and written by `_prefix_slots.c` where the package's setup built it (a
+decision with long prompts ~1.8 x cheaper, bench/README.md, decision_cost), else by the Python
+below, which the C follows operation for operation (tests/test_prefix_slots.py compares the
+files they write byte for byte); this module owns the layout and hands its numbers over.
+
 Racing writers can lose a record or pair a key with a holder a moment stale: the
 index is approximate by nature (an engine may have evicted what we recorded), and a
 lost record costs one cache miss, never a wrong answer. Every worker writes; the
@@ -110,7 +115,6 @@ class SharedPrefixIndex:
         """Whether the slots are read and written by the compiled module (bench reports say)."""
         return self._native is not None
 
-
     # --- the PrefixIndex interface ------------------------------------------------------
     def match(self, keys: Sequence[bytes | None]) -> tuple[int, dict[str, int]]:
         """For each instance, how many leading chunks of `keys` it holds (0 entries omitted)."""
@@ -166,10 +170,11 @@ class SharedPrefixIndex:
 
     def record(self, keys: Sequence[bytes | None], instance_id: str) -> None:
         """`keys` were routed to the instance now (those at the positions `recorded` are written).
-        A key this worker wrote for the same instance less than REWRITE_S ago is not written
-        again: a hot prefix is routed hundreds of times a second, and the times it would refresh
-        serve the TTL (minutes) and the eviction verdict (scrapes 100 ms apart). The compiled
-        slots write every time: a write costs them nanoseconds, and the times stay exact."""
+        The compiled slots write every time (nanoseconds a write; the times stay exact). The
+        Python ones do not write again a key this worker wrote for the same instance less than
+        REWRITE_S ago: a hot prefix is routed hundreds of times a second, each write costs them
+        about a microsecond, and the times it would refresh serve the TTL (minutes) and the
+        eviction verdict (scrapes 100 ms apart)."""
         idx = instance_index(instance_id)
         if self._native is not None:
             self._native.record(keys, recorded(len(keys)), idx, self._clock())
