@@ -87,3 +87,11 @@ def test_compiled_slots_write_every_time_and_refuse_a_closed_index(tmp_path):
         compiled._native.record(keys, (0, 3), 1, clock.t)
     compiled.close()
     python.close()
+
+
+def test_a_module_built_for_another_slot_layout_is_left_for_the_python_slots(tmp_path, monkeypatch, caplog):
+    from orchestrator.dataplane import shared_prefix
+    monkeypatch.setattr(shared_prefix, "HOLDERS", 8)  # as a newer layout would have it
+    index = SharedPrefixIndex.create(tmp_path / "p", slots=64)
+    assert not index.compiled and "its slots run in Python" in caplog.text
+    index.close()

@@ -29,6 +29,7 @@ daemon creates the file zeroed at `up`.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -295,7 +296,11 @@ def _compiled_slots(mm: mmap.mmap, slots: int) -> Any:
         from orchestrator.dataplane._prefix_slots import Slots
     except ImportError:
         return None
-    return Slots(mm, _SLOTS_OFF, slots, _FORGOTTEN_OFF, PROBE, _INSTANCE_NAMES, KEY_BYTES, HOLDERS, SLOT_SIZE)
+    try:
+        return Slots(mm, _SLOTS_OFF, slots, _FORGOTTEN_OFF, PROBE, _INSTANCE_NAMES, KEY_BYTES, HOLDERS, SLOT_SIZE)
+    except ValueError as exc:  # a module built from another version's layout: the Python slots are right
+        logging.getLogger("trtllm_orch.proxy").warning("prefix index: %s; its slots run in Python", exc)
+        return None
 
 
 def _key16(key: bytes) -> bytes:
