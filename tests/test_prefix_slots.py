@@ -2,7 +2,7 @@
 
 Both run the same operations on two files: after each, the files' bytes are the same and every
 prompt matches alike. Operations come more than REWRITE_S apart (the Python slots skip a rewrite
-within it, the compiled ones write every time; that difference is tested last). Small tables,
+within it, the compiled ones write every time; that difference is tested apart). Small tables,
 so keys collide, neighbourhoods fill and evict, holders are replaced, and entries age out.
 """
 
@@ -13,6 +13,7 @@ import random
 import pytest
 
 from orchestrator.dataplane.shared_prefix import REWRITE_S, SharedPrefixIndex
+from orchestrator.dataplane.shared_table import TableError
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, chunk_keys
 from tests.fakes import ManualClock
 
@@ -81,11 +82,14 @@ def test_compiled_slots_write_every_time_and_refuse_a_closed_index(tmp_path):
     clock.t += REWRITE_S / 2
     compiled.record(keys, "1")  # exact times: the compiled slots have no rewrite window
     assert compiled.match_recency(keys) == (3, {"1": (3, clock.t)})
-    with pytest.raises(Exception):
+    with pytest.raises(TableError):
         compiled.record(keys, "256")  # past the table's instances, as the Python slots refuse it
     with pytest.raises(IndexError):  # a position past the prompt's keys is refused, not read
         compiled._native.record(keys, (0, 3), 1, clock.t)
-    compiled.close()
+    slots = compiled._native
+    compiled.close()  # the mapping is let go first (an exported buffer would refuse the close)
+    with pytest.raises(ValueError, match="closed"):
+        slots.match_recency(keys, (0, 1, 2), 0.0)
     python.close()
 
 

@@ -56,11 +56,13 @@ def chunk_keys(prompt: str, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: 
     as a full block by the engine either): one per chunk, the key of chunk i covering chunks
     0..i. Only the positions the indexes read (`recorded`) are digested, the others are None:
     the proxy hashes every prompt once per request, and a 64-chunk prompt's 64 digests cost
-    about as much as hashing its text (64 -> 37 us for 16k characters on the 2-core box).
+    about as much as hashing its text (BLAKE2b then: 64 -> 37 us for 16k characters on the
+    2-core box).
 
-    The hash is XXH3's 128 bits (xxhash), not a cryptographic one: 16k characters cost 4 us
-    where BLAKE2b cost 25 (bench/README.md, decision_cost). A key only routes: a client who
-    makes its prompt's key equal another prompt's must know that prompt, and could send it."""
+    The hash is XXH3's 128 bits (xxhash), not a cryptographic one: a 16k-character prompt's
+    keys cost 7.5 us where BLAKE2b's cost 30 (bench/README.md, decision_cost's `hints_us`). A key
+    only routes: a client who makes its prompt's key equal another prompt's must know that
+    prompt, and could send it."""
     n = min(len(prompt) // chunk_chars, max_chunks)
     keys: list[bytes | None] = [None] * n
     h = xxh3_128()
