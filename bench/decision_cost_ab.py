@@ -74,6 +74,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             us = [r["us"] for r in mine if r["tree"] == tree]
             row[f"{tree}_median_us"] = round(statistics.median(us), 1)
             row[f"{tree}_min_us"] = min(us)
+            # the proxy's hashing of the prompt, once per request (not part of the decision)
+            row[f"{tree}_hints_us"] = round(statistics.median(r["hints_us"] for r in mine if r["tree"] == tree), 1)
         row["after_over_before"] = round(row["after_median_us"] / row["before_median_us"], 3)
         out.append(row)
     return out
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = subprocess.run(["git", "-C", str(a.baseline_tree), "rev-parse", "--short", "HEAD"],
                                   capture_output=True, text=True).stdout.strip() or baseline
     report = table(summary, ["policy", "prompts", "rate", "before_median_us", "after_median_us", "after_over_before",
-                             "before_min_us", "after_min_us"])
+                             "before_min_us", "after_min_us", "before_hints_us", "after_hints_us"])
     write_result_md("decision_cost_ab", {"bench": "decision_cost_ab", "summary": summary, "rows": rows,
                                          "baseline": baseline, "instances": a.instances, "rounds": a.rounds,
                                          "cores": cores, "machine": machine()}, plot, a.out,
