@@ -369,6 +369,13 @@ def test_the_daemon_publishes_each_snapshot_with_every_workers_count_then(tmp_pa
     stamps.note_count("1", 3)
     view.update(EngineSnapshot(at=1.1, active=3, iteration=2.0))
     assert sent[-1]["routed"] == 3
+    # A worker that connects now gets that snapshot with the count it went out with, not the
+    # count now (requests that began after the scrape: the snapshot's numbers do not hold them).
+    for _ in range(2):
+        WorkerCounts(table, 1).acquire("1")
+    assert pool._routed("1") == 4
+    (catch_up,) = [m for m in pool._on_connect(0, {}) if m["t"] == "engine"]
+    assert catch_up["routed"] == 3
     # what a worker rebuilds from it (WorkerMembership.on_engine)
     m = WorkerMembership(ReadyBackends(), table, lambda msg: None, threshold=1)
     m.on_members(member_list(2))

@@ -111,6 +111,9 @@ class WorkerPool:
         # Each ready instance's eviction verdict over every snapshot since it joined, sent with
         # each snapshot (`gone_before`): one verdict for every worker, late ones included.
         self._evictions: dict[str, KvWrites] = {}
+        # Each ready instance's last published snapshot and the count sent with it (`routed`): a
+        # worker that connects gets it too, not a count read later that the snapshot never saw.
+        self._published: dict[str, tuple[EngineSnapshot, int | None]] = {}
         self._stopping = False
         self._resize_task: asyncio.Task[None] | None = None
         # Live restore: workers a previous daemon left serving. Until this daemon's ready
@@ -276,6 +279,7 @@ class WorkerPool:
                 view.listeners.remove(listener)
         self._hooked.clear()
         self._evictions.clear()
+        self._published.clear()
         await self._close_own()
 
     async def detach(self) -> None:
@@ -472,8 +476,11 @@ class WorkerPool:
             out.append(_members(self._backends.current()))
         for b in self._backends.current():
             snap = b.engine.latest if b.engine is not None else None
-            if snap is not None:  # no "routed": the count now is not the count at its scrape
+            if snap is not None:
                 msg = {"t": "engine", "iid": b.instance_id, "snap": snap.as_dict()}
+                published = self._published.get(b.instance_id)
+                if published is not None and published[0] is snap:  # the count it went out with
+                    msg["routed"] = published[1]  # (not the count now: the snapshot never saw that)
                 evictions = self._evictions.get(b.instance_id)
                 if evictions is not None:  # as of that snapshot, its latest
                     msg["gone_before"] = evictions.gone_before
@@ -523,7 +530,9 @@ class WorkerPool:
         def publish(snap: EngineSnapshot) -> None:
             evictions.observe(snap)
             if self._feed is not None and any(b.instance_id == iid for b in self._backends.current()):
-                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict(), "routed": self._routed(iid),
+                routed = self._routed(iid)
+                self._published[iid] = (snap, routed)
+                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict(), "routed": routed,
                                       "gone_before": evictions.gone_before})
         return publish
 
