@@ -108,12 +108,12 @@ class WorkerPool:
         self._feed: FeedServer | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._hooked: dict[str, tuple[Any, Callable[[EngineSnapshot], None]]] = {}
-        # Each ready instance's eviction verdict over every snapshot since it joined, sent with
-        # each snapshot (`gone_before`): one verdict for every worker, late ones included.
-        self._evictions: dict[str, KvWrites] = {}
-        # Each ready instance's last published snapshot and the count sent with it (`routed`): a
-        # worker that connects gets it too, not a count read later that the snapshot never saw.
-        self._published: dict[str, tuple[EngineSnapshot, int | None]] = {}
+        # Each ready instance's last snapshot and the feed message made of it: with the eviction
+        # verdict over every snapshot since the instance joined (`gone_before`: one verdict for
+        # every worker, late ones included) and, where it went out, the count it went out with
+        # (`routed`). A worker that connects gets that message, not a count read later that the
+        # snapshot never saw.
+        self._published: dict[str, tuple[EngineSnapshot, dict[str, Any]]] = {}
         self._stopping = False
         self._resize_task: asyncio.Task[None] | None = None
         # Live restore: workers a previous daemon left serving. Until this daemon's ready
@@ -278,7 +278,6 @@ class WorkerPool:
             with contextlib.suppress(ValueError):
                 view.listeners.remove(listener)
         self._hooked.clear()
-        self._evictions.clear()
         self._published.clear()
         await self._close_own()
 
@@ -477,14 +476,9 @@ class WorkerPool:
         for b in self._backends.current():
             snap = b.engine.latest if b.engine is not None else None
             if snap is not None:
-                msg = {"t": "engine", "iid": b.instance_id, "snap": snap.as_dict()}
                 published = self._published.get(b.instance_id)
-                if published is not None and published[0] is snap:  # the count it went out with
-                    msg["routed"] = published[1]  # (not the count now: the snapshot never saw that)
-                evictions = self._evictions.get(b.instance_id)
-                if evictions is not None:  # as of that snapshot, its latest
-                    msg["gone_before"] = evictions.gone_before
-                out.append(msg)
+                out.append(published[1] if published is not None and published[0] is snap else
+                           {"t": "engine", "iid": b.instance_id, "snap": snap.as_dict()})  # one before it joined
         return out
 
     def _on_message(self, slot_index: int, msg: dict[str, Any]) -> None:
@@ -525,15 +519,15 @@ class WorkerPool:
             self._hooked[b.instance_id] = (view, listener)
 
     def _engine_listener(self, iid: str) -> Callable[[EngineSnapshot], None]:
-        evictions = self._evictions[iid] = KvWrites()  # a new view: a new instance, nothing known of it
+        evictions = KvWrites()  # a new view: a new instance, nothing known of it
 
         def publish(snap: EngineSnapshot) -> None:
             evictions.observe(snap)
+            msg = {"t": "engine", "iid": iid, "snap": snap.as_dict(), "gone_before": evictions.gone_before}
+            self._published[iid] = (snap, msg)
             if self._feed is not None and any(b.instance_id == iid for b in self._backends.current()):
-                routed = self._routed(iid)
-                self._published[iid] = (snap, routed)
-                self._feed.broadcast({"t": "engine", "iid": iid, "snap": snap.as_dict(), "routed": routed,
-                                      "gone_before": evictions.gone_before})
+                msg["routed"] = self._routed(iid)
+                self._feed.broadcast(msg)
         return publish
 
     def _routed(self, iid: str) -> int | None:
