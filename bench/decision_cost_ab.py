@@ -71,11 +71,12 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"policy": policy, "prompts": kind, "rate": rate}
         for tree in ("before", "after"):
-            us = [r["us"] for r in mine if r["tree"] == tree]
+            theirs = [r for r in mine if r["tree"] == tree]
+            us = [r["us"] for r in theirs]
             row[f"{tree}_median_us"] = round(statistics.median(us), 1)
             row[f"{tree}_min_us"] = min(us)
             # the proxy's hashing of the prompt, once per request (not part of the decision)
-            row[f"{tree}_hints_us"] = round(statistics.median(r["hints_us"] for r in mine if r["tree"] == tree), 1)
+            row[f"{tree}_hints_us"] = round(statistics.median(r["hints_us"] for r in theirs), 1)
         row["after_over_before"] = round(row["after_median_us"] / row["before_median_us"], 3)
         out.append(row)
     return out
