@@ -129,6 +129,19 @@ def test_multi_turn_chat_follows_its_history():
         assert policy.last_reason == HIT
 
 
+def test_instances_skipped_are_passed_over_and_the_pick_returned_is_the_one_priced():
+    # A retry skips the instances tried: the choice is among the others, and the instance handed
+    # back is the one its decision names (the proxy counts it in flight there).
+    policy, eng, _ = learnt(4)
+    load = {"0": 0, "1": 6, "2": 3, "3": 7}
+    assert policy.choose(eng.backends, (), load).instance_id == "0"
+    chosen = policy.choose(eng.backends, ("0",), load)
+    assert chosen.instance_id == "2" == policy.last_decision.instance
+    chosen = policy.choose(eng.backends, ("2", "0"), load)
+    assert chosen.instance_id == "1" == policy.last_decision.instance
+    assert policy.choose(eng.backends, ("0", "1", "2", "3"), load) is None
+
+
 def test_the_prefill_routed_there_and_not_done_yet_counts():
     policy, eng, clock = learnt()
     long_prompt = RouteHints.from_prompt("unique long prompt " * 600)

@@ -228,7 +228,7 @@ class CostModel:
         found = self._evaluate(backends, skip, inflight, hints, now)
         if found is None:
             return None
-        inst, reason, estimate, tokens, cached = found
+        inst, chosen, reason, estimate, tokens, cached = found
         iid = inst.iid
         entry = None
         if estimate is not None and tokens > cached:
@@ -243,20 +243,20 @@ class CostModel:
             inst.log.add(now, (tokens - cached) / inst.block, 2.0 * (inst.kv_blocks or 1))
         self.last_reason = reason
         self.last_decision = Decision(iid, now, reason, estimate, tokens, cached, entry, self.journal.errors)
-        for b in backends:
-            if b.instance_id == iid:
-                return b
-        return None  # not reached: the pick is one of `backends`
+        return chosen
 
     def _evaluate(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
-                  hints: RouteHints | None, now: float) -> tuple[_Inst, str, float | None, int, int] | None:
-        """The pick and why, changing nothing: (instance, reason, TTFT estimate, tokens, cached)."""
+                  hints: RouteHints | None, now: float) -> tuple[_Inst, Backend, str, float | None, int, int] | None:
+        """The pick and why, changing nothing: (instance, its backend, reason, TTFT estimate, tokens,
+        cached)."""
         self._inflight = inflight
         if backends is not self._seen:
             self._sync(backends)
         insts = self._insts
-        cands = [insts[b.instance_id] for b in backends if b.instance_id not in skip] if skip else \
-            [insts[b.instance_id] for b in backends]
+        ready = backends  # the whole ready set: what the shared files' spans are cached for
+        if skip:
+            backends = [b for b in backends if b.instance_id not in skip]
+        cands = [insts[b.instance_id] for b in backends]
         if not cands:
             return None
         fresh = True
@@ -309,7 +309,7 @@ class CostModel:
         low = math.inf
         tol = 0.0
         # the other workers' pending prefill (None: not shared); what seconds are priced with
-        others = self.journal.others(backends) if learnt else None
+        others = self.journal.others(ready) if learnt else None
         if learnt:
             tol = math.inf
             for inst in cands:
@@ -319,7 +319,8 @@ class CostModel:
                 uncached = tokens - cached[iid] if iid in cached else tokens
                 # ttft_estimate, inline (16 candidates in < 20 us); the test suite holds them equal
                 pending = inst.pending
-                queued = pending.at(now) if pending.heap else 0.0
+                heap = pending.heap  # Pending.at only where an entry is due: a call per candidate was 1/8 of a pick
+                queued = (pending.total if heap[0][0] > now else pending.at(now)) if heap else 0.0
                 if others:
                     queued += others.get(iid, 0.0)
                 cost = p * (queued + uncached) + inst.decode_s
@@ -381,7 +382,7 @@ class CostModel:
             queued = inst.pending.total + (others.get(inst.iid, 0.0) if others else 0.0)
             estimate = r.prefill_s * (queued + tokens - got) + r.decode_s + \
                 ((n - inst.slots + 1) * inst.wait_unit if n >= inst.slots else 0.0)
-        return inst, reason, estimate, tokens, got
+        return inst, backends[pick], reason, estimate, tokens, got
 
     def forget(self, instance_id: str) -> None:
         """The instance restarts: its cache is gone (its shape's rates stay: the same engine)."""

@@ -142,10 +142,10 @@ class WriteLog:
     def _shared_since(self, t: float) -> tuple[float, int]:
         """Every worker's totals now less those at `t`, interpolated between the notes around it
         (before the first note, and nothing dropped: the first note's)."""
-        blocks, requests = self._totals()
         at = self._at
         if not at:
             return 0.0, 0
+        blocks, requests = self._totals()
         i = bisect_right(at, t)
         if i == 0:
             if self._trimmed:
