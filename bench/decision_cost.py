@@ -163,7 +163,17 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
             "keys": len(hints[0].prompt_keys), "us": round(statistics.median(pick_us), 1),
             "hints_us": round(statistics.median(hints_us), 1), "reason": balancer.last_reason,
             # the prefix index's slots in C (_prefix_slots.c) or in Python (not built; an older tree)
-            "compiled": getattr(index, "compiled", False)}
+            "compiled": getattr(index, "compiled", False), "cells_compiled": _cells_compiled()}
+
+
+def _cells_compiled() -> bool:
+    """Whether the shared files' column sums and writes run in C (_shared_cells.c; an older tree
+    has none)."""
+    try:
+        from orchestrator.dataplane import shared_cells
+    except ImportError:
+        return False
+    return shared_cells.NATIVE is not None
 
 
 def child(tree: Path, config: tuple[str, int, str, str]) -> tuple[list[str], dict[str, str]]:

@@ -33,6 +33,7 @@ from operator import add
 from pathlib import Path
 from typing import Any
 
+from orchestrator.dataplane import shared_cells
 from orchestrator.dataplane.shared_table import (MAX_INSTANCES, MAX_WORKERS, TableError, create_sized, instance_index,
                                                 open_sized)
 
@@ -130,18 +131,22 @@ class PendingLane:
             self._span = (first, end, ids_at, struct.Struct(f"={len(ids_at)}d"))
             self._of = backends
         first, end, ids_at, span = self._span
-        unpack = span.unpack_from
         mm = self._mm
         off = _HEADER_SIZE + 8 * first
         worker = self._worker
+        native = shared_cells.NATIVE
         values: Any = None
-        for row in range(self._rows() if end > first else 0):
-            if row != worker:
-                cells = unpack(mm, off + row * _ROW_BYTES)
-                values = cells if values is None else map(add, values, cells)
-        if values is None:
-            return {}
-        values = list(values)
+        if native is not None and end > first:  # one pass in C (~1 us less of a choice)
+            values = native.column_sums(mm, off, _ROW_BYTES, self._rows(), end - first, "d", worker)
+        else:
+            unpack = span.unpack_from
+            for row in range(self._rows() if end > first else 0):
+                if row != worker:
+                    cells = unpack(mm, off + row * _ROW_BYTES)
+                    values = cells if values is None else map(add, values, cells)
+            if values is None:
+                return {}
+            values = list(values)
         if not any(values):  # nothing pending elsewhere: nothing for the choice to add per instance
             return {}
         out = dict(zip(ids_at, values))

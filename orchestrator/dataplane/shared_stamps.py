@@ -27,6 +27,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from orchestrator.dataplane import shared_cells
 from orchestrator.dataplane.shared_table import MAX_INSTANCES, create_sized, instance_index, open_sized
 
 MAGIC = 0x7472746C6C747331  # "trtllts1"
@@ -74,7 +75,13 @@ class SharedStamps:
         self._f64[self._col(instance_id) + MAX_INSTANCES] = n
 
     def note_counts(self, counts: Mapping[str, int]) -> None:
-        """`note_count` for each instance of a decision's counts (one call: 16 instances ~1.5 us)."""
+        """`note_count` for each instance of a decision's counts (one call: 16 instances ~1.3 us, 0.3
+        in C)."""
+        native = shared_cells.NATIVE
+        if native is not None and type(counts) is dict:
+            for iid in native.put_cells(self._mm, MAX_INSTANCES, self._cols, counts):  # cells not worked out yet
+                self.note_count(iid, counts[iid])
+            return
         f64 = self._f64
         cols = self._cols
         for iid, n in counts.items():

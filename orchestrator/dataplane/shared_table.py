@@ -31,6 +31,8 @@ from operator import add
 from pathlib import Path
 from typing import Any
 
+from orchestrator.dataplane import shared_cells
+
 MAGIC = 0x7472746C6C6D6F31  # "trtllmo1"
 LAYOUT_VERSION = 1
 MAX_WORKERS = 64
@@ -167,17 +169,23 @@ class SharedTable:
         start = (_INFLIGHT_OFF >> 2) + instance
         return sum(i32[start:start + self.rows() * MAX_INSTANCES:MAX_INSTANCES])
 
-    def inflight_span(self, first: int, end: int) -> list[int]:
-        """`inflight` of instances first..end-1 at once: each worker row in use unpacked as one
-        struct, the rows added lane by lane in C (16 instances, 4 workers: 2.0 us; 2.5 with the
-        rows zipped into a tuple per instance and summed, 7 a column at a time)."""
+    def inflight_span(self, first: int, end: int, keys: list[str] | None = None) -> Any:
+        """`inflight` of instances first..end-1 at once, as a list; with `keys` (one per instance),
+        as a dict of key -> count. Compiled (shared_cells.py): one pass over the rows in use, the
+        dict built there too (16 instances, 4 workers: 1.5 -> 0.5 us on the 2-core box). Else
+        each worker row in use unpacked as one struct, the rows added lane by lane (2.5 us; more
+        with the rows zipped into a tuple per instance and summed, 7 a column at a time)."""
+        native = shared_cells.NATIVE
+        if native is not None:
+            return native.column_sums(self._mm, _INFLIGHT_OFF + 4 * first, _ROW_BYTES, self.rows(), end - first,
+                                      "i", -1, keys)
         unpack = _span(end - first).unpack_from
         mm = self._mm
         off = _INFLIGHT_OFF + 4 * first
         counts: Any = unpack(mm, off)
         for row in range(1, self.rows()):
             counts = map(add, counts, unpack(mm, off + row * _ROW_BYTES))
-        return list(counts)
+        return list(counts) if keys is None else dict(zip(keys, counts))
 
     def worker_inflight(self, worker: int) -> int:
         start = self._cell(worker, 0)
@@ -289,7 +297,7 @@ class GlobalInflight(Mapping[str, int]):
             self._columns_of = backends
         first, end, columns, beyond, in_order = self._columns
         if in_order:
-            return dict(zip(columns, self._table.inflight_span(first, end)))
+            return self._table.inflight_span(first, end, columns)
         out = dict.fromkeys(beyond, 0)
         if end > first:
             counts = self._table.inflight_span(first, end)

@@ -42,6 +42,7 @@ from typing import Any
 
 from orchestrator import release
 from orchestrator.config import Settings, settings_from_json
+from orchestrator.dataplane import shared_cells
 from orchestrator.dataplane.accept_share import AcceptShare
 from orchestrator.dataplane.away_probe import AwayProber
 from orchestrator.dataplane.feed import FeedClient
@@ -150,9 +151,10 @@ class Worker:
             # What start-up made lives as long as the worker: out of the collector's sight, so
             # the collections that requests' short-lived cycles trigger do not walk it again.
             gc.freeze()
-            self._log.info("data-plane worker %d pid=%d serving (%s; prefix index slots in %s)", self.slot,
-                           os.getpid(), ", ".join(type(p).__name__ for p in self.proxies),
-                           "C" if self.prefixes.compiled else "Python")
+            self._log.info("data-plane worker %d pid=%d serving (%s; prefix index slots in %s, shared counts in %s)",
+                           self.slot, os.getpid(), ", ".join(type(p).__name__ for p in self.proxies),
+                           "C" if self.prefixes.compiled else "Python",
+                           "C" if shared_cells.NATIVE is not None else "Python")
             await self._stop.wait()
             self._log.info("data-plane worker %d draining (grace %.1fs)", self.slot, self._grace_s)
             for proxy in self.proxies:

@@ -1,0 +1,124 @@
+"""The data plane's compiled column sums and cell writes (dataplane/_shared_cells.c) against the
+Python they stand in for: the in-flight counts a routing decision reads (shared_table.py), the
+other workers' pending prefill (shared_pending.py) and the counts a choice notes in the turns
+file (shared_stamps.py). Each is run both ways on the same file, with random contents, rows in
+use and ready sets; the answers must be equal, and the written files the same bytes."""
+
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+
+from orchestrator.dataplane import shared_cells
+from orchestrator.dataplane.shared_pending import SharedPending
+from orchestrator.dataplane.shared_stamps import SharedStamps
+from orchestrator.dataplane.shared_table import MAX_INSTANCES, GlobalInflight, SharedTable
+from orchestrator.routing.backends import Backend
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def native():
+    module = shared_cells.NATIVE
+    assert module is not None, "orchestrator/dataplane/_shared_cells.c is not built (scripts/bootstrap builds it)"
+    return module
+
+
+def both(monkeypatch, native, call):
+    """`call()` with the compiled cells, then with the Python ones."""
+    compiled = call()
+    monkeypatch.setattr(shared_cells, "NATIVE", None)
+    python = call()
+    monkeypatch.setattr(shared_cells, "NATIVE", native)
+    return compiled, python
+
+
+def ready_set(rng: random.Random) -> list[Backend]:
+    """Instances in order (the usual ready set), or a few out of order with gaps and an id
+    the files have no column for."""
+    if rng.random() < 0.5:
+        first = rng.randrange(0, 8)
+        ids = [str(i) for i in range(first, first + rng.randrange(1, 17))]
+    else:
+        ids = [str(i) for i in rng.sample(range(40), rng.randrange(1, 9))] + ["not-an-index"]
+    return [Backend(iid, "h", 1, 2, 3) for iid in ids]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_in_flight_counts_read_alike(tmp_path, monkeypatch, native, seed):
+    rng = random.Random(seed)
+    table = SharedTable.create(tmp_path / "table")
+    checked = 0
+    for _ in range(60):
+        table.use_rows(rng.randrange(1, 9))
+        for _ in range(30):
+            table.add_inflight(rng.randrange(0, 8), rng.randrange(0, 40), rng.randrange(-3, 9))
+        first = rng.randrange(0, 20)
+        end = first + rng.randrange(0, 17)
+        keys = [f"k{i}" for i in range(first, end)]
+        spans = both(monkeypatch, native, lambda: (table.inflight_span(first, end),
+                                                   table.inflight_span(first, end, keys)))
+        assert spans[0] == spans[1]
+        backends = ready_set(rng)
+        counts = both(monkeypatch, native, lambda: GlobalInflight(table).of(backends))
+        assert counts[0] == counts[1]
+        checked += sum(1 for n in counts[0].values() if n)
+    assert checked > 100  # not a table of zeros
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_other_workers_pending_prefill_reads_alike(tmp_path, monkeypatch, native, seed):
+    rng = random.Random(seed)
+    rows = [1]
+    pending = SharedPending.create(tmp_path / "pending")
+    lanes = [pending.lane(w, lambda: rows[0]) for w in range(8)]
+    nonzero = 0
+    for _ in range(80):
+        rows[0] = rng.randrange(1, 9)
+        for _ in range(10):  # fractions and cancelling changes: the sums' order shows in their bits
+            lanes[rng.randrange(0, 8)].add(str(rng.randrange(0, 40)), rng.choice([0.1, 1e9, -0.0, -7.3, 512.0, 1e-9]))
+        backends = ready_set(rng)
+        reader = rng.choice(lanes)
+        found = both(monkeypatch, native, lambda: reader.of(backends))
+        assert found[0] == found[1]
+        assert [repr(v) for v in found[0].values()] == [repr(v) for v in found[1].values()]
+        nonzero += bool(found[0])
+    assert nonzero > 20
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_counts_a_choice_read_are_written_alike(tmp_path, monkeypatch, native, seed):
+    rng = random.Random(seed)
+    compiled, python = SharedStamps.create(tmp_path / "compiled"), SharedStamps.create(tmp_path / "python")
+    for _ in range(50):
+        counts = {str(i): rng.randrange(0, 300) for i in rng.sample(range(MAX_INSTANCES), rng.randrange(1, 17))}
+        compiled.note_counts(counts)  # ids new to the file's cells among them, every so often
+        monkeypatch.setattr(shared_cells, "NATIVE", None)
+        python.note_counts(counts)
+        monkeypatch.setattr(shared_cells, "NATIVE", native)
+        assert bytes(compiled._mm) == bytes(python._mm)
+        assert all(compiled.count(iid) == n for iid, n in counts.items())
+
+
+def test_cells_beyond_the_buffer_or_of_no_kind_are_refused(native):
+    mm = mmap.mmap(-1, 4096)
+    assert native.column_sums(mm, 0, 1024, 4, 256, "i", -1) == [0] * 256  # the last cell ends at the buffer's end
+    with pytest.raises(IndexError):
+        native.column_sums(mm, 4, 1024, 4, 256, "i", -1)
+    with pytest.raises(IndexError):
+        native.column_sums(mm, 0, 1024, 5, 1, "d", -1)
+    with pytest.raises(IndexError):
+        native.column_sums(mm, -8, 0, 1, 1, "d", -1)
+    with pytest.raises(ValueError):
+        native.column_sums(mm, 0, 8, 1, 1, "q", -1)
+    with pytest.raises(ValueError):
+        native.column_sums(mm, 0, 8, 1, 2, "d", -1, ["only one key"])
+    with pytest.raises(IndexError):
+        native.put_cells(mm, 0, {"a": 512}, {"a": 1})
+    assert native.put_cells(mm, 1, {"a": 510}, {"a": 3, "b": 4}) == ["b"]  # "b": no cell known, not written
+    cells = memoryview(mm).cast("d")
+    assert cells[511] == 3.0 and sum(cells) == 3.0
+    cells.release()
