@@ -15,8 +15,10 @@ for more than 60 s.
 
 So the watch runs in a process of its own. It is a child forked at initialize,
 before CUDA is touched. It closes every descriptor it inherited, so it holds no
-pipe, socket or shared-memory file. Then it waits on pidfds of the server and the
-stub. When the server ends first, it SIGKILLs the stub. When the stub ends, it leaves.
+pipe, socket or shared-memory file, and the stub waits for that before it goes on
+(a check that read the watcher's descriptors right after the fork once found the
+pipe still open). Then it waits on pidfds of the server and the stub. When the
+server ends first, it SIGKILLs the stub. When the stub ends, it leaves.
 It keeps the rank's environment, so whatever finds a group's processes by
 their tag finds it too.
 """
@@ -35,6 +37,9 @@ def exit_with_server():
     except ProcessLookupError:      # the server is already gone: so are we
         os._exit(1)
     stub_fd = os.pidfd_open(stub)
+    # Closed by the watcher once it has dropped what it inherited: the stub goes on (and reports
+    # ready) only then, so no moment exists where the watcher still holds the rank's output pipe.
+    dropped, done = os.pipe()
     # Python 3.12 warns that forking a process with threads may deadlock the child (on a lock
     # another thread held). The child only closes descriptors, waits and kills: no lock of
     # the stub's threads is taken there, and the GIL and malloc are reset by fork itself.
@@ -42,17 +47,21 @@ def exit_with_server():
         warnings.simplefilter("ignore", DeprecationWarning)
         watcher = os.fork()
     if watcher == 0:
-        _watch(server_fd, stub_fd, stub)
+        _watch(server_fd, stub_fd, stub, done)
     os.close(server_fd)
     os.close(stub_fd)
+    os.close(done)
+    os.read(dropped, 1)  # b"": end of file, the watcher's write end closed
+    os.close(dropped)
     # waitpid blocks without the GIL; the thread ends when the watcher does.
     threading.Thread(target=os.waitpid, args=(watcher, 0), name="twin-lifeline", daemon=True).start()
 
 
-def _watch(server_fd, stub_fd, stub):
+def _watch(server_fd, stub_fd, stub, done):
     """The watcher process: never returns."""
     try:
-        _drop_inherited(keep=(server_fd, stub_fd))
+        _drop_inherited(keep=(server_fd, stub_fd, done))
+        os.close(done)
         ready, _, _ = select.select([server_fd, stub_fd], [], [])
         if stub_fd not in ready:
             os.kill(stub, signal.SIGKILL)
