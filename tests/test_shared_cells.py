@@ -103,6 +103,18 @@ def test_the_counts_a_choice_read_are_written_alike(tmp_path, monkeypatch, nativ
         assert all(compiled.count(iid) == n for iid, n in counts.items())
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_stamps_of_tied_instances_read_alike(tmp_path, monkeypatch, native, seed):
+    rng = random.Random(seed)
+    stamps = SharedStamps.create(tmp_path / "turns")
+    for step in range(60):
+        stamps.put(str(rng.randrange(0, 40)), 1000.0 + step + rng.random())
+        tied = [str(i) for i in rng.sample(range(48), rng.randrange(1, 17))]  # some never stamped or seen
+        read = both(monkeypatch, native, lambda: stamps.of(tied))
+        assert read[0] == read[1] and len(read[0]) == len(tied)
+    assert any(read[0])
+
+
 def test_cells_beyond_the_buffer_or_of_no_kind_are_refused(native):
     mm = mmap.mmap(-1, 4096)
     assert native.column_sums(mm, 0, 1024, 4, 256, "i", -1) == [0] * 256  # the last cell ends at the buffer's end
@@ -118,6 +130,9 @@ def test_cells_beyond_the_buffer_or_of_no_kind_are_refused(native):
         native.column_sums(mm, 0, 8, 1, 2, "d", -1, ["only one key"])
     with pytest.raises(IndexError):
         native.put_cells(mm, 0, {"a": 512}, {"a": 1})
+    with pytest.raises(IndexError):
+        native.read_cells(mm, {"a": 512}, ["a"])
+    assert native.read_cells(mm, {"a": 511}, ["b", "a"]) == [None, 0.0]
     assert native.put_cells(mm, 1, {"a": 510}, {"a": 3, "b": 4}) == ["b"]  # "b": no cell known, not written
     cells = memoryview(mm).cast("d")
     assert cells[511] == 3.0 and sum(cells) == 3.0

@@ -1,12 +1,13 @@
-/* Column sums and cell writes of the data plane's shared files, compiled (shared_cells.py).
+/* Column sums and cell reads and writes of the data plane's shared files, compiled (shared_cells.py).
 
    Every routing decision reads the in-flight count of each candidate instance summed over the
    worker rows in use (shared_table.py), cost-model also the other workers' pending prefill
-   (shared_pending.py), and the default writes each count it read to the turns file
-   (shared_stamps.py). In Python those are struct unpacks added lane by lane and a store per
-   instance: 2.8, 3.6 and 1.4 us at 16 instances and 4 worker rows on the 2-core box, where the
-   default's whole decision took ~17 us. Here each is one pass over the cells (0.8, 1.4, 0.6 us
-   with the calls and the dicts). The callers own the files and their layouts and keep
+   (shared_pending.py), and the default writes each count it read to the turns file and, where
+   instances tie, reads their stamps there (shared_stamps.py). In Python those are struct
+   unpacks added lane by lane and a store or a look-up per instance: 2.8, 3.6 and 1.4 us at 16
+   instances and 4 worker rows on the 2-core box, and 4.0 us for a tie of 16, where the default's
+   whole decision took ~17 us. Here each is one pass over the cells (0.8, 1.4, 0.6 and 1.8 us
+   with the calls, the lists and the dicts). The callers own the files and their layouts and keep
    the same operations in Python for an install that could not build this module;
    tests/test_shared_cells.py holds both to the same answers and bytes.
 
@@ -142,9 +143,52 @@ done:
     return missing;
 }
 
+PyDoc_STRVAR(read_cells_doc,
+"read_cells(buffer, cells, ids) -> list\n\n"
+"For each id of the list `ids`, the float64 at the cell index the dict `cells` maps it to, or\n"
+"None where `cells` lacks it (the caller works its cell out). IndexError where a cell lies\n"
+"beyond the buffer.");
+
+static PyObject *read_cells(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    PyObject *cells, *ids;
+    if (!PyArg_ParseTuple(args, "y*O!O!", &view, &PyDict_Type, &cells, &PyList_Type, &ids))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item, *cell = PyDict_GetItemWithError(cells, PyList_GET_ITEM(ids, k));
+        if (cell == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else {
+            Py_ssize_t c = PyLong_AsSsize_t(cell);
+            double v;
+            if (c == -1 && PyErr_Occurred()) goto fail;
+            if (c < 0 || c > view.len / 8 - 1) {
+                PyErr_SetString(PyExc_IndexError, "cell beyond the buffer");
+                goto fail;
+            }
+            memcpy(&v, (const unsigned char *)view.buf + 8 * c, 8);
+            item = PyFloat_FromDouble(v);
+            if (item == NULL) goto fail;
+        }
+        PyList_SET_ITEM(out, k, item);
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"column_sums", column_sums, METH_VARARGS, column_sums_doc},
     {"put_cells", put_cells, METH_VARARGS, put_cells_doc},
+    {"read_cells", read_cells, METH_VARARGS, read_cells_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -106,7 +106,14 @@ class SharedStamps:
         return max(now, self.count(instance_id))
 
     def of(self, instance_ids: Sequence[str]) -> list[float]:
-        """The stamps of these instances (0.0: never chosen), read together."""
+        """The stamps of these instances (0.0: never chosen), read together (a tie of 16: 3.0 us,
+        ~1 in C)."""
+        native = shared_cells.NATIVE
+        if native is not None and type(instance_ids) is list:
+            stamps = native.read_cells(self._mm, self._cols, instance_ids)
+            if None in stamps:  # cells not worked out yet
+                stamps = [self._f64[self._col(iid)] if v is None else v for iid, v in zip(instance_ids, stamps)]
+            return stamps
         cols = [self._col(iid) for iid in instance_ids]
         first = min(cols)
         cells = _doubles(max(cols) - first + 1).unpack_from(self._mm, 8 * first)
