@@ -30,3 +30,19 @@ async def cancel_and_wait(*tasks: Optional[asyncio.Future]) -> None:
     for task in tasks:
         if task is not None and task.done() and not task.cancelled():
             task.exception()  # retrieved
+
+
+def awaiting(task: asyncio.Task, depth: int = 16) -> str:
+    """Where a suspended task waits: its chain of coroutines, outermost first, each as
+    `function:line` ("?" where the chain is not there to read). For a log line about a task
+    being cancelled (what a stop gave up waiting for); asyncio's own `get_stack` shows the
+    outermost frame of a suspended task only."""
+    names: list[str] = []
+    coro = task.get_coro()
+    while coro is not None and len(names) < depth:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        names.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(names) or "?"

@@ -38,9 +38,12 @@ class Stack:
         self.seen: list[bytes] = []
         self.proxy: EmbeddedProxy | None = None
         self.runner: web.ServerRunner | None = None
+        self.answer_after: asyncio.Event | None = None  # set: the upstream answers once it is set
 
     async def _upstream(self, request: web.BaseRequest) -> web.Response:
         self.seen.append(await request.read())
+        if self.answer_after is not None:
+            await self.answer_after.wait()
         return web.json_response({"ok": True})
 
     async def start(self, **settings) -> "Stack":
@@ -271,4 +274,25 @@ async def test_a_socket_accepted_as_the_stop_begins_is_served_not_reset(stack):
     answer = await asyncio.wait_for(reader.read(), 5)
     assert answer.startswith(b"HTTP/1.1 200"), answer
     await stopping
+    writer.close()
+
+
+async def test_a_request_a_stop_cancels_is_logged_with_where_it_waited(stack, caplog):
+    # A stop that gives up on a request after its grace says which request, how long it ran and
+    # where it was waiting: what a CI run's reload could not tell (one request cancelled after
+    # 10 s, nothing more).
+    s = await stack()
+    release = s.answer_after = asyncio.Event()  # the upstream takes the request, answers after the grace
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+    writer.write(GENERATE + b"Content-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+    await writer.drain()
+    deadline = time.monotonic() + 5
+    while not s.proxy._handlers and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    caplog.set_level(logging.WARNING)
+    await s.proxy.stop(grace_s=0.3)
+    lines = [r.getMessage() for r in caplog.records if "proxy stop: cancelling POST" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "/v2/models/m/generate, running 0." in lines[0] and "_forward" in lines[0], lines[0]
+    release.set()
     writer.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.controlplane.statedir import StateWriter
-from orchestrator.tasks import cancel_and_wait
+from orchestrator.tasks import awaiting, cancel_and_wait
 
 
 async def poller(lose: int, polls: list[int]) -> None:
@@ -83,3 +83,22 @@ async def test_the_state_writer_finishes_its_write_through_repeated_cancels(tmp_
     # No write lands after its owner's stop returned (the daemon clears the file next).
     assert sd.finished_at is not None and sd.finished_at <= returned_at
     assert task.cancelled()
+
+
+@pytest.mark.unit
+async def test_awaiting_names_where_a_suspended_task_waits():
+    gate = asyncio.Event()
+
+    async def inner() -> None:
+        await gate.wait()
+
+    async def outer() -> None:
+        await inner()
+
+    task = asyncio.create_task(outer())
+    await asyncio.sleep(0)  # suspended in gate.wait()
+    where = awaiting(task)
+    assert [part.split(":")[0] for part in where.split(" > ")][:3] == ["outer", "inner", "wait"], where
+    gate.set()
+    await task
+    assert awaiting(task) == "?"  # done: nothing to read

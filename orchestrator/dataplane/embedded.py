@@ -40,6 +40,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from orchestrator.config import Settings
+from orchestrator.tasks import awaiting
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import Balancer
 from orchestrator.dataplane.accept import AcceptingSite, bind_listener
@@ -172,7 +173,9 @@ class EmbeddedProxy:
         self._runner: web.ServerRunner | None = None
         self._metrics_runner: web.ServerRunner | None = None
         self._unsubscribe: Any = None
-        self._handlers: set[asyncio.Task[Any]] = set()
+        # The requests being handled: their tasks, and each request with when it began (for the
+        # log line of a stop that has to cancel some).
+        self._handlers: dict[asyncio.Task[Any], tuple[web.BaseRequest, float]] = {}
         self._stopping = False
         self._bound_port = 0
         self._metrics_port = 0
@@ -274,7 +277,12 @@ class EmbeddedProxy:
             if pending:
                 self._log.warning("proxy stop: cancelling %d request(s) still running after %.1fs",
                                   len(pending), grace_s)
+                now = self._loop.time() if self._loop is not None else 0.0
                 for t in pending:
+                    request, began = self._handlers.get(t, (None, now))
+                    self._log.warning("proxy stop: cancelling %s %s, running %.1fs, waiting in %s",
+                                      getattr(request, "method", "?"), getattr(request, "path", "?"),
+                                      now - began, awaiting(t))
                     t.cancel()
                 await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
         await self._close_all()
@@ -340,11 +348,11 @@ class EmbeddedProxy:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         task = asyncio.current_task(self._loop)  # given the loop: no lookup (a getpid() in 3.11)
         assert task is not None
-        self._handlers.add(task)
+        self._handlers[task] = (request, self._loop.time())  # type: ignore[union-attr]
         try:
             resp = await self._dispatch(request)
         finally:
-            self._handlers.discard(task)
+            self._handlers.pop(task, None)
             if self._tally is not None:
                 self._tally()
         if self._stopping and not resp.prepared:
