@@ -91,7 +91,6 @@ class PendingLane:
         self._worker = worker
         self._rows = rows
         self._cells: dict[str, int] = {}  # instance id -> its cell in this worker's row
-        self._columns: dict[str, int] = {}  # instance id -> its cell in row 0 (`total`: twice a choice)
         self._of: Sequence[Any] | None = None  # the ready set `of` last read, and its span
         self._span: tuple[int, int, list[str | None], struct.Struct] = (0, 0, [], struct.Struct("="))
 
@@ -107,9 +106,7 @@ class PendingLane:
 
     def total(self, instance_id: str) -> float:
         """What every worker in use added to the instance's cells, this one's included."""
-        col = self._columns.get(instance_id)
-        if col is None:
-            col = self._columns[instance_id] = self._own(instance_id) - self._worker * MAX_INSTANCES
+        col = self._own(instance_id) - self._worker * MAX_INSTANCES
         return sum(self._f64[col:col + self._rows() * MAX_INSTANCES:MAX_INSTANCES])
 
     def of(self, backends: Sequence[Any]) -> dict[str, float]:
