@@ -103,6 +103,51 @@ def test_a_prefix_stays_where_it_is_cached_while_that_pays():
     assert moved.instance_id == other and policy.last_reason == SPILL
 
 
+def test_a_busy_holder_of_a_popular_prefix_gets_a_copy_once_its_requests_have_paid_for_one():
+    # 64 slots: nothing queues, and a holder is costlier only by the prefill routed there and not
+    # done yet. Staying costs each request a little; the copy costs one request ~0.4 s. Those
+    # little losses add up: the copy is made once they reach its price, long before one request
+    # alone would pay it (every question leaves its ~20 tokens pending at the holder here, so
+    # that takes over 100 requests).
+    policy, eng, clock = learnt(slots=64)
+    first = policy.choose(eng.backends, (), {}, hints(1)).instance_id
+    policy.last_decision.first_token(policy.last_decision.estimate_s)  # the prefix is computed
+    other = "1" if first == "0" else "0"
+    picks = []
+    while len(picks) < 200 and (not picks or picks[-1] == first):
+        picks.append(policy.choose(eng.backends, (), {first: 4}, hints(1, f"question {len(picks)}")).instance_id)
+    assert picks[-1] == other and policy.last_reason == SPILL
+    assert 2 < len(picks) < 40
+    policy.last_decision.first_token(policy.last_decision.estimate_s)
+    # with the copy there, the tenant's requests go to the one with less pending
+    assert policy.choose(eng.backends, (), {first: 4}, hints(1, "after the copy")).instance_id == other
+    assert policy.last_reason == HIT
+
+
+def test_no_copy_is_bought_where_it_would_push_out_prefixes_found_cached_there():
+    # The same busy holder, but the other instance's cache is taken by prefixes found there
+    # (206 blocks not held by running requests, 190 of them others' prefixes, and the copy
+    # needs 31): a copy there would cost another prefix its copy, so none is bought.
+    policy, eng, clock = learnt(slots=64)
+    first = policy.choose(eng.backends, (), {}, hints(1)).instance_id
+    policy.last_decision.first_token(policy.last_decision.estimate_s)
+    other = "1" if first == "0" else "0"
+    policy.journal.holdings.found(other, b"another tenant", 190, clock.t)
+    for q in range(30):  # three times what bought the copy above; the queue alone moves it at ~45
+        assert policy.choose(eng.backends, (), {first: 4}, hints(1, f"question {q}")).instance_id == first
+
+
+def test_a_holder_no_busier_than_the_others_buys_no_copy():
+    # What each request would lose or gain by staying nets out: equal instances never pay rent.
+    policy, eng, clock = learnt(slots=64)
+    first = policy.choose(eng.backends, (), {}, hints(1)).instance_id
+    policy.last_decision.first_token(policy.last_decision.estimate_s)
+    for q in range(300):
+        assert policy.choose(eng.backends, (), {}, hints(1, f"question {q}")).instance_id == first
+        decision = policy.last_decision
+        decision.first_token(decision.estimate_s)  # its prefill is done: nothing pending
+
+
 def test_costs_within_the_estimates_own_error_are_ties_that_keep_the_cache():
     policy, eng, clock = learnt()
     first = policy.choose(eng.backends, (), {}, hints(1)).instance_id
@@ -384,3 +429,15 @@ def test_an_attempt_that_ends_without_a_first_token_leaves_nothing_pending():
     learnt_error = policy.journal.errors.value
     timer.attempt_over()
     assert policy._insts[iid].pending.at(clock.t) == 0 and policy.journal.errors.value == learnt_error > 0
+
+
+def test_holdings_count_each_prefix_once_and_drop_the_ones_found_too_long_ago():
+    from orchestrator.routing.journal import Holdings
+    held = Holdings()
+    held.found("0", b"a", 32, 10.0)
+    held.found("0", b"b", 16, 20.0)
+    held.found("0", b"a", 40, 30.0)  # found again, deeper: counted once, as found last
+    assert held.blocks("0", 0.0) == 56 and held.blocks("1", 0.0) == 0
+    assert held.blocks("0", 25.0) == 40  # b was last found at 20
+    held.forget("0")
+    assert held.blocks("0", 0.0) == 0

@@ -45,6 +45,20 @@ total wins.
   s64/room4/zipf/r2 827 -> 555; s8/room1.5/zipf/r2 5085 -> 7416 the worst). All 80 cells, the
   tolerance only with a cache at stake: 0.98 x
   (bench/results/routing_sim-20261125T074003Z.json).
+- A copy pays for itself over many requests, and no one request pays for it: priced per request,
+  a busy holder of a popular prefix kept it for ever where nothing queues (64 slots below
+  saturation: the holder's longer iterations are the whole cost; routing_sim 8 seeds,
+  s64/room1.5/uniform/r1 TTFT p90 1.24 x the best baseline's). So each request that stays on the
+  holder while another instance would cost less with a copy pays the difference as rent (what
+  it gains by staying counts against it: noise nets out), and once a prefix's rent covers the
+  copy's cost there, that request makes the copy (ski rental). Only where the holder has more
+  requests in flight than the other and a free slot (a queue is priced per request, as above),
+  and not where the copy would push out prefixes found cached there (journal.Holdings against
+  the blocks no running request holds). routing_sim, 80 cells x 8 seeds, cost-model@4:
+  s64/room1.5 uniform and zipf r1 1.24 and 1.10 -> 1.00 and 0.98 x the best baseline, r0 1.11
+  -> 1.06 x; within 3% 71 -> 74 cells, misses beyond the noise 4 -> 2; TTFT p90 over the 80
+  cells' geometric mean 1.001 x before, the worst s8/room4/uniform/r0 65 -> 157 ms (NGINX's
+  1051) (bench/results/routing_sim-20261127T232412Z.json against -232418Z, bench/README.md).
 - Until every candidate has rates (an instance borrows those of a busy one of its shape; the
   prefill rate needs a significant fit, cost_model.SIGNIFICANCE) and the token ratio is
   calibrated (the first seconds), the cost is the batches queued
@@ -228,7 +242,11 @@ class CostModel:
         found = self._evaluate(backends, skip, inflight, hints, now)
         if found is None:
             return None
-        inst, chosen, reason, estimate, tokens, cached = found
+        inst, chosen, reason, estimate, tokens, cached, rent, held = found
+        if rent is not None:
+            self.journal.rents.pay(*rent)
+        if held is not None and inst.block:
+            self.journal.holdings.found(inst.iid, held, cached // inst.block, now)
         iid = inst.iid
         entry = None
         if estimate is not None and tokens > cached:
@@ -246,9 +264,11 @@ class CostModel:
         return chosen
 
     def _evaluate(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
-                  hints: RouteHints | None, now: float) -> tuple[_Inst, Backend, str, float | None, int, int] | None:
+                  hints: RouteHints | None, now: float
+                  ) -> tuple[_Inst, Backend, str, float | None, int, int, tuple[bytes | None, float] | None,
+                             bytes | None] | None:
         """The pick and why, changing nothing: (instance, its backend, reason, TTFT estimate, tokens,
-        cached)."""
+        cached, the prefix's rent to keep or None, the key of the prefix found cached there or None)."""
         self._inflight = inflight
         if backends is not self._seen:
             self._sync(backends)
@@ -273,6 +293,7 @@ class CostModel:
         tokens = int(hints.prompt_chars * ratio) if hints is not None else 0
         keys = hints.prompt_keys if hints is not None else ()
         cached: dict[str, int] = {}
+        depth_of: dict[str, int] = {}  # chunks matched per holder counted as cached (the rent's key)
         if keys:
             if self._recency is not None:
                 depth = self._recency(keys)[1]
@@ -294,6 +315,7 @@ class CostModel:
                     # s64/room4/uniform/closed). What the index holds counts, unrounded.
                     if matched:
                         cached[iid] = matched
+                        depth_of[iid] = d
                     continue
                 blocks = matched // inst.block
                 if last is not None and inst.kv_blocks:
@@ -301,10 +323,13 @@ class CostModel:
                     blocks = cached_blocks(blocks, written, routed, inst.slots, inst.kv_free)
                 if blocks:
                     cached[iid] = blocks * inst.block
+                    depth_of[iid] = d
         best_cached = max(cached.values(), default=0)
         least = tokens - best_cached  # what the best-cached instance would compute
+        top = max(depth_of.values(), default=0)
         get = inflight.get
         costs: list[float] = []
+        buys: list[float] = []  # what a copy of the best-cached prefix costs there (0: none needed)
         ns: list[int] = []
         low = math.inf
         tol = 0.0
@@ -328,7 +353,11 @@ class CostModel:
                 if n >= slots:
                     cost += (n - slots + 1) * inst.wait_unit
                 if uncached > least:  # engine time for nothing, and what waits for a slot there waits for it
-                    cost += p * (uncached - least) * (n - slots + 1 if n >= slots else 1)
+                    over = p * (uncached - least) * (n - slots + 1 if n >= slots else 1)
+                    cost += over
+                    buys.append(over + p * (uncached - least))  # and the copy's own prefill
+                else:
+                    buys.append(0.0)
                 costs.append(cost)
                 ns.append(n)
                 if cost < low:
@@ -365,6 +394,9 @@ class CostModel:
             pick = max(near, key=lambda i: zlib.crc32(cands[i].key, key))
         else:
             pick = self._rng.choice(near)
+        rent = None
+        if buys and not buys[pick] and len(buys) > 1 and keys and top and ns[pick] < cands[pick].slots:
+            pick, rent = self._rent_or_buy(keys[top - 1], pick, costs, buys, ns, cands, tokens - least, now)
         inst = cands[pick]
         got = cached.get(inst.iid, 0)
         if hints is None:
@@ -382,7 +414,43 @@ class CostModel:
             queued = inst.pending.total + (others.get(inst.iid, 0.0) if others else 0.0)
             estimate = r.prefill_s * (queued + tokens - got) + r.decode_s + \
                 ((n - inst.slots + 1) * inst.wait_unit if n >= inst.slots else 0.0)
-        return inst, backends[pick], reason, estimate, tokens, got
+        # the prefix found there, where the pick holds the most of the prompt (Holdings)
+        held = keys[top - 1] if top and got and got >= best_cached else None
+        return inst, backends[pick], reason, estimate, tokens, got, rent, held
+
+    def _rent_or_buy(self, key: bytes | None, pick: int, costs: list[float], buys: list[float], ns: list[int],
+                     cands: list[_Inst], prefix_tokens: int, now: float
+                     ) -> tuple[int, tuple[bytes | None, float] | None]:
+        """The pick holds the prompt's best-cached prefix; where another instance would cost less
+        with a copy of it, this request pays the difference (rent) for staying. Once the rent that
+        requests of this prefix have paid reaches what the copy costs (buys), the copy is made: this
+        request goes there. Ski rental: no request alone pays for a copy, yet every later one would
+        gain from it, so a busy holder of a popular prefix otherwise keeps it for ever (64-slot
+        engines, where nothing queues and the holder's longer iterations are the whole cost)."""
+        alt = -1
+        low = math.inf
+        for i, buy in enumerate(buys):
+            if buy and costs[i] - buy < low:
+                low = costs[i] - buy
+                alt = i
+        if alt < 0:
+            return pick, None
+        # The rent is returned, not kept: the choice keeps it (`_evaluate` changes nothing).
+        if ns[pick] <= ns[alt]:
+            # the holder is not busier now: what its requests lost so far was the pending
+            # prefill's noise (a tenant's own requests arriving together), not its load
+            return pick, (key, 0.0)
+        there = cands[alt]
+        if there.block and there.kv_free - self.journal.holdings.blocks(there.iid, now - self.index.ttl_s) < \
+                prefix_tokens / there.block:
+            # the copy would push out prefixes found cached there: a copy costs a copy there
+            return pick, None
+        # What this request loses (or gains, below 0) by staying, were the copy made: the net
+        # of those is the rent, so noise that falls either way pays nothing over time.
+        paid = self.journal.rents.get(key) + costs[pick] - low
+        if paid >= buys[alt]:
+            return alt, (key, 0.0)
+        return pick, (key, max(0.0, paid))
 
     def forget(self, instance_id: str) -> None:
         """The instance restarts: its cache is gone (its shape's rates stay: the same engine)."""

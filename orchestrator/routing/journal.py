@@ -2,8 +2,9 @@
 blocks routed there to be computed, in the order the engine will compute them, and when each
 prompt chunk was last routed there (`WriteLog`: what pushes an earlier prefix out of its cache,
 and since when), and the prompt tokens routed there whose prefill has not happened yet
-(`Pending`); the lengths of the prompts routed (for the token ratio, tokens.py) and how far the
-estimates missed (`ErrorMeter`: near-equal costs are ties). Pure logic.
+(`Pending`); the lengths of the prompts routed (for the token ratio, tokens.py), how far the
+estimates missed (`ErrorMeter`: near-equal costs are ties) and what each prefix's requests lost
+by staying on a busy holder (`Rents`: when a copy elsewhere has paid for itself). Pure logic.
 
 When each chunk was last routed somewhere is also what the prefix indexes keep (`match_recency`:
 an in-process PrefixIndex, and the data plane's shared one, dataplane/shared_prefix.py, where it
@@ -249,11 +250,75 @@ class PendingShare(Protocol):
     def of(self, backends: Sequence[Any]) -> dict[str, float]: ...
 
 
+class Rents:
+    """prefix key -> what requests of that prefix lost, net, by staying on its holder while
+    another instance would have been cheaper with a copy (cost_policy's rent-or-buy). Each
+    worker's own, as the token ratio and the error meter: a worker sees its share of a prefix's
+    requests."""
+
+    KEPT = 4096  # prefixes paying towards a copy, at most (memory only: a bound, not a tuning)
+
+    def __init__(self) -> None:
+        self._paid: dict[bytes | None, float] = {}
+
+    def get(self, key: bytes | None) -> float:
+        return self._paid.get(key, 0.0)
+
+    def pay(self, key: bytes | None, paid: float) -> None:
+        """Keep what the prefix has paid now; 0: nothing (a copy was just bought, or staying
+        has paid off as much as it cost)."""
+        book = self._paid
+        if not paid:
+            book.pop(key, None)
+            return
+        if len(book) >= self.KEPT and key not in book:
+            book.clear()  # the prefixes still hot start paying again: a copy comes later, no harm
+        book[key] = paid
+
+
+class Holdings:
+    """Per instance, the prefixes that choices found cached there: the deepest matched chunk's key
+    -> (its blocks, when last found). What a copy of another prefix would push out of that
+    instance's cache (cost_policy's rent-or-buy). Each worker's own, as the rents."""
+
+    KEPT = 1024  # prefixes per instance, the least recently found dropped first (memory only)
+
+    def __init__(self) -> None:
+        self._held: dict[str, OrderedDict[bytes | None, tuple[int, float]]] = {}
+        self._total: dict[str, int] = {}  # iid -> the sum of its entries' blocks (read per choice)
+
+    def found(self, iid: str, key: bytes | None, blocks: int, now: float) -> None:
+        held = self._held.get(iid)
+        if held is None:
+            held = self._held[iid] = OrderedDict()
+            self._total[iid] = 0
+        before = held.pop(key, None)
+        held[key] = (blocks, now)
+        self._total[iid] += blocks - (before[0] if before is not None else 0)
+        if len(held) > self.KEPT:
+            self._total[iid] -= held.popitem(last=False)[1][0]
+
+    def blocks(self, iid: str, since: float) -> int:
+        """The blocks of the prefixes found there since `since` (older ones are dropped now)."""
+        held = self._held.get(iid)
+        if not held:
+            return 0
+        while held and next(iter(held.values()))[1] < since:
+            self._total[iid] -= held.popitem(last=False)[1][0]
+        return self._total[iid]
+
+    def forget(self, iid: str) -> None:
+        self._held.pop(iid, None)
+        self._total.pop(iid, None)
+
+
 class Journal:
     def __init__(self, pending: PendingShare | None = None,
                  routed: "tuple[RoutedShare, RoutedShare] | None" = None) -> None:
         self.prompts = PromptStats()
         self.errors = ErrorMeter()
+        self.rents = Rents()
+        self.holdings = Holdings()
         self._logs: dict[str, WriteLog] = {}
         self._pending: dict[str, Pending] = {}
         self._share = pending
@@ -279,6 +344,7 @@ class Journal:
     def forget(self, iid: str) -> None:
         """The instance restarted: nothing routed there before counts."""
         self._logs.pop(iid, None)
+        self.holdings.forget(iid)
         ledger = self._pending.get(iid)
         if ledger is not None:
             ledger.clear()
