@@ -293,7 +293,7 @@ class CostModel:
         tokens = int(hints.prompt_chars * ratio) if hints is not None else 0
         keys = hints.prompt_keys if hints is not None else ()
         cached: dict[str, int] = {}
-        depth_of: dict[str, int] = {}  # chunks matched per holder counted as cached (the rent's key)
+        top = 0  # the most chunks matched where any is counted as cached (keys[top - 1]: the rent's key)
         if keys:
             if self._recency is not None:
                 depth = self._recency(keys)[1]
@@ -315,7 +315,8 @@ class CostModel:
                     # s64/room4/uniform/closed). What the index holds counts, unrounded.
                     if matched:
                         cached[iid] = matched
-                        depth_of[iid] = d
+                        if d > top:
+                            top = d
                     continue
                 blocks = matched // inst.block
                 if last is not None and inst.kv_blocks:
@@ -323,13 +324,15 @@ class CostModel:
                     blocks = cached_blocks(blocks, written, routed, inst.slots, inst.kv_free)
                 if blocks:
                     cached[iid] = blocks * inst.block
-                    depth_of[iid] = d
+                    if d > top:
+                        top = d
         best_cached = max(cached.values(), default=0)
         least = tokens - best_cached  # what the best-cached instance would compute
-        top = max(depth_of.values(), default=0)
         get = inflight.get
         costs: list[float] = []
-        buys: list[float] = []  # what a copy of the best-cached prefix costs there (0: none needed)
+        # where a copy of the best-cached prefix would cost least, were it made: (cost then, its
+        # index, the copy's price there)
+        copy_low, copy_at, copy_buy = math.inf, -1, 0.0
         ns: list[int] = []
         low = math.inf
         tol = 0.0
@@ -355,9 +358,9 @@ class CostModel:
                 if uncached > least:  # engine time for nothing, and what waits for a slot there waits for it
                     over = p * (uncached - least) * (n - slots + 1 if n >= slots else 1)
                     cost += over
-                    buys.append(over + p * (uncached - least))  # and the copy's own prefill
-                else:
-                    buys.append(0.0)
+                    buy = over + p * (uncached - least)  # and the copy's own prefill
+                    if cost - buy < copy_low:
+                        copy_low, copy_at, copy_buy = cost - buy, len(costs), buy
                 costs.append(cost)
                 ns.append(n)
                 if cost < low:
@@ -395,8 +398,9 @@ class CostModel:
         else:
             pick = self._rng.choice(near)
         rent = None
-        if buys and not buys[pick] and len(buys) > 1 and keys and top and ns[pick] < cands[pick].slots:
-            pick, rent = self._rent_or_buy(keys[top - 1], pick, costs, buys, ns, cands, tokens - least, now)
+        if copy_at >= 0 and top and cached.get(cands[pick].iid, 0) == best_cached and ns[pick] < cands[pick].slots:
+            pick, rent = self._rent_or_buy(keys[top - 1], pick, costs[pick] - copy_low, copy_at, copy_buy, ns, cands,
+                                           best_cached, now)
         inst = cands[pick]
         got = cached.get(inst.iid, 0)
         if hints is None:
@@ -418,28 +422,22 @@ class CostModel:
         held = keys[top - 1] if top and got and got >= best_cached else None
         return inst, backends[pick], reason, estimate, tokens, got, rent, held
 
-    def _rent_or_buy(self, key: bytes | None, pick: int, costs: list[float], buys: list[float], ns: list[int],
+    def _rent_or_buy(self, key: bytes | None, pick: int, gain: float, alt: int, buy: float, ns: list[int],
                      cands: list[_Inst], prefix_tokens: int, now: float
                      ) -> tuple[int, tuple[bytes | None, float] | None]:
-        """The pick holds the prompt's best-cached prefix; where another instance would cost less
-        with a copy of it, this request pays the difference (rent) for staying. Once the rent that
-        requests of this prefix have paid reaches what the copy costs (buys), the copy is made: this
-        request goes there. Ski rental: no request alone pays for a copy, yet every later one would
-        gain from it, so a busy holder of a popular prefix otherwise keeps it for ever (64-slot
-        engines, where nothing queues and the holder's longer iterations are the whole cost)."""
-        alt = -1
-        low = math.inf
-        for i, buy in enumerate(buys):
-            if buy and costs[i] - buy < low:
-                low = costs[i] - buy
-                alt = i
-        if alt < 0:
-            return pick, None
-        # The rent is returned, not kept: the choice keeps it (`_evaluate` changes nothing).
+        """The pick holds the prompt's best-cached prefix, and `alt` would cost `gain` less with a
+        copy of it (`buy`: what the copy costs there). This request pays that difference (rent)
+        for staying; once the rent that requests of this prefix have paid reaches the copy's
+        price, the copy is made: this request goes there. Ski rental: no request alone pays for a
+        copy, yet every later one would gain from it, so a busy holder of a popular prefix
+        otherwise keeps it for ever (64-slot engines, where nothing queues and the holder's
+        longer iterations are the whole cost). The rent is returned, not kept: the choice keeps
+        it (`_evaluate` changes nothing)."""
+        paid = self.journal.rents.get(key)
         if ns[pick] <= ns[alt]:
             # the holder is not busier now: what its requests lost so far was the pending
             # prefill's noise (a tenant's own requests arriving together), not its load
-            return pick, (key, 0.0)
+            return pick, (key, 0.0) if paid else None
         there = cands[alt]
         if there.block and there.kv_free - self.journal.holdings.blocks(there.iid, now - self.index.ttl_s) < \
                 prefix_tokens / there.block:
@@ -447,8 +445,8 @@ class CostModel:
             return pick, None
         # What this request loses (or gains, below 0) by staying, were the copy made: the net
         # of those is the rent, so noise that falls either way pays nothing over time.
-        paid = self.journal.rents.get(key) + costs[pick] - low
-        if paid >= buys[alt]:
+        paid += gain
+        if paid >= buy:
             return alt, (key, 0.0)
         return pick, (key, max(0.0, paid))
 

@@ -282,6 +282,7 @@ class Holdings:
     instance's cache (cost_policy's rent-or-buy). Each worker's own, as the rents."""
 
     KEPT = 1024  # prefixes per instance, the least recently found dropped first (memory only)
+    REFRESH_S = 1.0  # a prefix found again sooner keeps its time (a choice's cost, not a tuning)
 
     def __init__(self) -> None:
         self._held: dict[str, OrderedDict[bytes | None, tuple[int, float]]] = {}
@@ -292,9 +293,15 @@ class Holdings:
         if held is None:
             held = self._held[iid] = OrderedDict()
             self._total[iid] = 0
-        before = held.pop(key, None)
+        before = held.get(key)
+        if before is not None and before[0] == blocks and now - before[1] < self.REFRESH_S:
+            return  # found moments ago: its time is fresh enough against a horizon of minutes
         held[key] = (blocks, now)
-        self._total[iid] += blocks - (before[0] if before is not None else 0)
+        if before is not None:
+            held.move_to_end(key)
+            self._total[iid] += blocks - before[0]
+            return
+        self._total[iid] += blocks
         if len(held) > self.KEPT:
             self._total[iid] -= held.popitem(last=False)[1][0]
 
