@@ -296,3 +296,36 @@ async def test_a_request_a_stop_cancels_is_logged_with_where_it_waited(stack, ca
     assert "/v2/models/m/generate, running 0." in lines[0] and "_forward" in lines[0], lines[0]
     release.set()
     writer.close()
+
+
+@pytest.mark.parametrize("connection", ["busy", "fresh"])
+async def test_a_body_still_arriving_when_a_stop_begins_is_read_and_answered(stack, connection):
+    # A stop closes every connection after its current response. A request whose head had come
+    # and whose body was still on the way lost the rest of its body: aiohttp drops what a closed
+    # connection receives, and the handler waited for it until the stop cancelled it (a CI run's
+    # reload: "cancelling POST .../generate, running 10.0s, waiting in ... _read_body >
+    # readexactly"). "busy": a keep-alive connection's second request; "fresh": a connection's
+    # first (closed after it). Either way the body is read and the request answered.
+    s = await stack(client_body_timeout_s=30.0)  # the stop, not the body deadline, decides
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+    if connection == "busy":
+        writer.write(GENERATE + b"Content-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readuntil(b'{"ok": true}'), 5)
+        assert first.startswith(b"HTTP/1.1 200"), first
+    body = b'{"text_input": "the rest of the body"}'
+    writer.write(GENERATE + b"Content-Length: %d\r\nContent-Type: application/json\r\n\r\n" % len(body) + body[:5])
+    await writer.drain()
+    deadline = time.monotonic() + 5
+    while not s.proxy._handlers and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert s.proxy._handlers  # the head is in: its handler waits for the body
+    stopping = asyncio.create_task(s.proxy.stop(grace_s=3.0))
+    await asyncio.sleep(0.1)  # the stop has closed the connections (after their current response)
+    writer.write(body[5:])
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: answered, then closed
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    await stopping
+    assert s.seen[-1] == body
+    writer.close()

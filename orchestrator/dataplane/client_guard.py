@@ -21,6 +21,11 @@ this; `GuardedServer` (a drop-in for aiohttp's low-level `web.Server`) adds:
   reset, and the client of a reload of the worker count saw ConnectionResetError (a CI
   run of tests/test_e2e_workers.py). A connection that has not sent a byte yet is
   closed after its first response instead (`settle` waits for those requests, briefly).
+- the body of a request in progress at shutdown. aiohttp drops what a connection receives
+  once it is closed (closing means "after the current response"), so a request whose head
+  had come and whose body was still on the way waited for the rest until the stop's grace
+  ran out and cancelled it (another CI run of the same reload: RemoteDisconnected, the cancel
+  log showing it waiting in `_read_body`). Its body is read and it is answered.
 """
 
 from __future__ import annotations
@@ -206,6 +211,17 @@ class _GuardedProtocol(RequestHandler):
         if not self._counted:
             return
         self._guard.fresh.discard(self)
+        if self._close and not self._force_close and self._body_arriving():
+            # A stop's close (after the current response) came while this request's body was on
+            # its way: aiohttp drops what a closed connection receives, and the handler would
+            # wait for the rest until the stop cancels it. The parser takes it; the connection
+            # still closes after the response.
+            self._close = False
+            try:
+                super().data_received(data)
+            finally:
+                self._close = True
+            return
         super().data_received(data)
         if self._close_after_first and not self._awaiting_request():
             # its first request is parsed (start() has it): served, then the connection closes
@@ -216,6 +232,16 @@ class _GuardedProtocol(RequestHandler):
         # case, costs no timer.)
         if self._head_timer is None and self._awaiting_request():
             self._arm_head_timer()
+
+    def _body_arriving(self) -> bool:
+        """Whether a request whose head was parsed still waits for body bytes: the one being
+        handled, or one parsed and queued for start()."""
+        # aiohttp's own fields (RequestHandler.start and data_received), read as _awaiting_request
+        # reads _waiter
+        request = getattr(self, "_current_request", None)
+        if request is not None and not request.content.is_eof():
+            return True
+        return any(not payload.is_eof() for _, payload in getattr(self, "_messages", ()))
 
     def stop_head_timer(self) -> None:
         if self._head_timer is not None:
