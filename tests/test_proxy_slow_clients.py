@@ -321,7 +321,12 @@ async def test_a_body_still_arriving_when_a_stop_begins_is_read_and_answered(sta
         await asyncio.sleep(0.01)
     assert s.proxy._handlers  # the head is in: its handler waits for the body
     stopping = asyncio.create_task(s.proxy.stop(grace_s=3.0))
-    await asyncio.sleep(0.1)  # the stop has closed the connections (after their current response)
+    # the stop closes the connections (after their current response) before the rest is sent
+    server = s.proxy._servers[0]
+    deadline = time.monotonic() + 5
+    while not all(c._close for c in server.connections) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert server.connections and all(c._close for c in server.connections)
     writer.write(body[5:])
     await writer.drain()
     answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: answered, then closed

@@ -3,8 +3,9 @@ blocks routed there to be computed, in the order the engine will compute them, a
 prompt chunk was last routed there (`WriteLog`: what pushes an earlier prefix out of its cache,
 and since when), and the prompt tokens routed there whose prefill has not happened yet
 (`Pending`); the lengths of the prompts routed (for the token ratio, tokens.py), how far the
-estimates missed (`ErrorMeter`: near-equal costs are ties) and what each prefix's requests lost
-by staying on a busy holder (`Rents`: when a copy elsewhere has paid for itself). Pure logic.
+estimates missed (`ErrorMeter`: near-equal costs are ties), what each prefix's requests lost
+by staying on a busy holder (`Rents`: when a copy elsewhere has paid for itself) and the prefixes
+choices found cached at each instance (`Holdings`: what a copy there would push out). Pure logic.
 
 When each chunk was last routed somewhere is also what the prefix indexes keep (`match_recency`:
 an in-process PrefixIndex, and the data plane's shared one, dataplane/shared_prefix.py, where it
