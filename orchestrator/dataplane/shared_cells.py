@@ -11,18 +11,7 @@ tests/test_shared_cells.py runs both and holds them to the same answers and byte
 
 from __future__ import annotations
 
-import os
-from types import ModuleType
+from orchestrator import native
 
 
-def _load() -> ModuleType | None:
-    if os.environ.get("TRTLLM_ORCH_PURE_PYTHON") == "1":
-        return None
-    try:
-        from orchestrator.dataplane import _shared_cells
-    except ImportError:
-        return None
-    return _shared_cells
-
-
-NATIVE = _load()
+NATIVE = native.load("orchestrator.dataplane._shared_cells")

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import struct
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator import native
 from orchestrator.dataplane.shared_table import MAX_INSTANCES, TableError, create_mapped, instance_index, open_mapped
 from orchestrator.routing.prefix_index import DEFAULT_TTL_S, recorded
 
@@ -290,14 +290,11 @@ class SharedPrefixIndex:
 def _compiled_slots(mm: mmap.mmap, slots: int) -> Any:
     """The compiled slots over `mm` (_prefix_slots.c), or None where the module was not built
     (setup.py builds it where a C compiler is; TRTLLM_ORCH_PURE_PYTHON=1 leaves it out)."""
-    if os.environ.get("TRTLLM_ORCH_PURE_PYTHON") == "1":
+    compiled = native.load("orchestrator.dataplane._prefix_slots")
+    if compiled is None:
         return None
     try:
-        from orchestrator.dataplane._prefix_slots import Slots
-    except ImportError:
-        return None
-    try:
-        return Slots(mm, _SLOTS_OFF, slots, _FORGOTTEN_OFF, PROBE, _INSTANCE_NAMES, KEY_BYTES, HOLDERS, SLOT_SIZE)
+        return compiled.Slots(mm, _SLOTS_OFF, slots, _FORGOTTEN_OFF, PROBE, _INSTANCE_NAMES, KEY_BYTES, HOLDERS, SLOT_SIZE)
     except ValueError as exc:  # a module built from another version's layout: the Python slots are right
         logging.getLogger("trtllm_orch.proxy").warning("prefix index: %s; its slots run in Python", exc)
         return None
