@@ -195,6 +195,22 @@ def test_costs_within_the_estimates_own_error_are_ties_that_keep_the_cache():
     assert policy.choose(eng.backends, (), {first: 12, other: 0}, hints(1, "and again")).instance_id == other
 
 
+def test_equal_holders_of_a_prefix_take_its_requests_in_turn():
+    # Both instances hold tenant 1's prefix and cost the same: its requests alternate between
+    # them, as NGINX's least_conn takes its equals, instead of all going to the one its checksum
+    # names (where one tenant's requests were most of the load, that one ran busier).
+    policy, eng, clock = learnt(slots=64)
+    keys = hints(1).prompt_keys
+    for iid in ("0", "1"):
+        policy.index.record(keys, iid)
+    picks = []
+    for q in range(20):
+        picks.append(policy.choose(eng.backends, (), {}, hints(1, f"question {q}")).instance_id)
+        assert policy.last_reason == HIT
+        policy.last_decision.first_token(policy.last_decision.estimate_s)
+    assert picks.count("0") == picks.count("1") == 10
+
+
 def test_multi_turn_chat_follows_its_history():
     policy, eng, clock = learnt()
     prompt = SYSTEM.format(7) + "\nUser: a long document " + "lorem ipsum " * 100 + "\nAssistant:"

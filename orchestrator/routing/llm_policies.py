@@ -69,7 +69,7 @@ Among the holders within the slack the deepest wins, and among equally deep ones
 fewest `requests`: the cache is equally at stake on each, so the choice is one with no
 cache at stake. By the KV-weighted load there, the 64-slot cells where every instance
 holds every tenant ran 1.08 x NGINX's TTFT p90 in the simulator (s64/room1.5/uniform/r1
-91.6 ms, by requests 87.3; 1.45 x on the GPU machine). Ties are taken in turn (`_Turns`).
+91.6 ms, by requests 87.3; 1.45 x on the GPU machine). Ties are taken in turn (`Turns`).
 With both, the simulator's 80 cells (bench/README.md, routing_sim-20261126T053400Z) are
 within 3% of the best baseline in 69 (54 before; either change alone: 58, 60).
 """
@@ -342,7 +342,7 @@ def _worth_a_slot(within: list[Backend], candidates: Sequence[Backend], requests
     return [b for b in within if b not in full]
 
 
-def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "_Turns") -> Backend:
+def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "Turns") -> Backend:
     best: list[Backend] = []
     low = math.inf
     for b in candidates:
@@ -355,7 +355,7 @@ def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "_Tu
     return best[0] if len(best) == 1 else turns.oldest(best)
 
 
-class _Turns:
+class Turns:
     """Ties in load are taken in turn: of the instances as lightly loaded as the least, the one
     this policy chose longest ago, as NGINX's least_conn takes its equals in round-robin order.
 
@@ -381,11 +381,11 @@ class _Turns:
 
 
 class SharedTurns:
-    """`_Turns` for several data-plane workers: the instance any of them chose longest ago.
+    """`Turns` for several data-plane workers: the instance any of them chose longest ago.
 
     Where each worker kept turns of its own, each took the ties in its own order, and N workers,
     each handed requests at random, took them about at random: least-outstanding's random ties,
-    which `_Turns` is there to avoid. bench/routing_sim.py with the default as 4 workers
+    which `Turns` is there to avoid. bench/routing_sim.py with the default as 4 workers
     (`prefix-affinity@4`), the 12 8-slot chat, mixed and unique cells at r0/r1, seeds 1-2: 5
     within 3% of the best baseline's TTFT p90 as it was (s8/room4/unique/r1 1.085 x, .../r0
     1.043 x, s8/room4/mixed/r0 1.154 x), 7 with the turns shared, and 11 with the turns and the
@@ -414,7 +414,7 @@ class SharedTurns:
 
 class _LoadAware:
     """What both policies share: the candidates, their loads, and the in-flight history. Ties
-    are taken in turn (`_Turns`); `rng` is taken for the policies' common signature."""
+    are taken in turn (`Turns`); `rng` is taken for the policies' common signature."""
 
     # With the workers' shared turns, each choice writes the counts it read to the turns file
     # (`_counted`), which the daemon sends with each snapshot (balancer.notes_counts).
@@ -423,7 +423,7 @@ class _LoadAware:
     def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic,
                  turns: "SharedTurns | None" = None) -> None:
         self._clock = clock
-        self._turns: _Turns | SharedTurns = turns if turns is not None else _Turns()
+        self._turns: Turns | SharedTurns = turns if turns is not None else Turns()
         self.history = InflightHistory()
         if turns is not None:  # its notes go where every worker's do
             self.history.shared = turns.stamps
