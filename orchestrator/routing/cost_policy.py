@@ -59,6 +59,8 @@ total wins.
   -> 1.06 x; within 3% 71 -> 74 cells, misses beyond the noise 4 -> 2; TTFT p90 over the 80
   cells' geometric mean 1.001 x before, the worst s8/room4/uniform/r0 65 -> 157 ms (NGINX's
   1051) (bench/results/routing_sim-20261127T232412Z.json against -232418Z, bench/README.md).
+  With the rent kept while the holder is not ahead and equal holders taken in turn (`_rent_or_buy`,
+  `_evaluate`'s ties): within 3% in 75, none beyond the noise (routing_sim-20261128T015514Z.json).
 - Until every candidate has rates (an instance borrows those of a busy one of its shape; the
   prefill rate needs a significant fit, cost_model.SIGNIFICANCE) and the token ratio is
   calibrated (the first seconds), the cost is the batches queued
@@ -311,22 +313,18 @@ class CostModel:
                 if inst is None:
                     continue
                 matched = min(int(d * self.chunk_chars * ratio), max(0, tokens - 1))
-                if not inst.block:
-                    # No engine numbers yet: an engine reports none before its first iteration,
-                    # so a burst at start-up saw no holder at all and spread every tenant by load
-                    # (the real twin: the first visit's picks all `miss`, 128 of 697 in
-                    # s64/room4/uniform/closed). What the index holds counts, unrounded.
-                    if matched:
-                        cached[iid] = matched
-                        if d > top:
-                            top = d
-                    continue
-                blocks = matched // inst.block
-                if last is not None and inst.kv_blocks:
-                    written, routed = inst.log.since(last)
-                    blocks = cached_blocks(blocks, written, routed, inst.slots, inst.kv_free)
-                if blocks:
-                    cached[iid] = blocks * inst.block
+                if inst.block:
+                    blocks = matched // inst.block
+                    if last is not None and inst.kv_blocks:
+                        written, routed = inst.log.since(last)
+                        blocks = cached_blocks(blocks, written, routed, inst.slots, inst.kv_free)
+                    matched = blocks * inst.block
+                # else no engine numbers yet: an engine reports none before its first iteration,
+                # so a burst at start-up saw no holder at all and spread every tenant by load
+                # (the real twin: the first visit's picks all `miss`, 128 of 697 in
+                # s64/room4/uniform/closed). What the index holds counts, unrounded.
+                if matched:
+                    cached[iid] = matched
                     if d > top:
                         top = d
         best_cached = max(cached.values(), default=0)
@@ -447,7 +445,6 @@ class CostModel:
         otherwise keeps it for ever (64-slot engines, where nothing queues and the holder's
         longer iterations are the whole cost). The rent is returned, not kept: the choice keeps
         it (`_evaluate` changes nothing)."""
-        paid = self.journal.rents.get(key)
         if ns[pick] <= ns[alt]:
             # The holder is not busier now: this request's loss is the pending prefill's noise (a
             # tenant's own requests arriving together), not load, and pays nothing. The rent paid
@@ -465,7 +462,7 @@ class CostModel:
             return pick, None
         # What this request loses (or gains, below 0) by staying, were the copy made: the net
         # of those is the rent, so noise that falls either way pays nothing over time.
-        paid += gain
+        paid = self.journal.rents.get(key) + gain
         if paid >= buy:
             return alt, (key, 0.0)
         return pick, (key, max(0.0, paid))
