@@ -51,14 +51,19 @@ class Decider:
                         for i in range(len(ports))}
         self.busy = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
 
-    def decide(self, body: bytes) -> bytes:
+    def route(self, body: bytes) -> str | None:
+        """The instance the product's balancer picks for this body, its count acquired."""
         balancer = self.balancer
         hints = RouteHints.from_prompt(prompt_of_json(body)) if balancer.wants_prompt else None
         b = balancer.pick(self.backends, (), hints)
         if b is None:
-            return self.busy
+            return None
         balancer.acquire(b.instance_id)
-        return self.answers[b.instance_id]
+        return b.instance_id
+
+    def decide(self, body: bytes) -> bytes:
+        iid = self.route(body)
+        return self.busy if iid is None else self.answers[iid]
 
     def done(self, line: bytes) -> None:
         """One access-log datagram: `<pri>... : <decider addr> : <instance addr>`."""

@@ -14,7 +14,11 @@ the same sources:
     least_conn, upstream keep-alive, proxy_buffering off);
   - split: the design the issue asks to measure, not a product mode: NGINX with W workers
     carries the bytes, W Python deciders (bench/_route_decider.py: the product's balancer
-    and default policy on the workers' shared table and prefix index) choose each route.
+    and default policy on the workers' shared table and prefix index) choose each route;
+  - front-c, front-py, front-py-loop: the compiled front of issue 22's plan, not a product mode:
+    W processes relaying in C (bench/_compiled_front.c), deciding in C (least requests in flight)
+    or calling the product's balancer and default policy once per request; front-py-loop is
+    front-py driven by an asyncio loop (uvloop), as a data-plane worker would run it.
 Pinning: worker i of any proxy (and decider i) on core i (cores 0..W-1); the rest of the machine split
 between the sources and wrk (4 threads at most). Past ~8 workers the sources have few cores
 left: each row reports the sources' CPU use, and a row whose sources ran near their cores'
@@ -275,10 +279,81 @@ class Embedded:
         shutil.rmtree(self.state, ignore_errors=True)
 
 
-# nginx first: the anchor every row is divided by. split: the design issue 22 asks to measure
-# beside the product (NGINX carries the bytes, Python decides the route), not a product mode.
-TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded), ("split", Split))
-STYLES = (("embedded", "o-"), ("split", "^-"), ("nginx", "s--"))
+class CompiledFront:
+    """The compiled front (bench/_compiled_front.c): W processes, each its own SO_REUSEPORT socket
+    on the port as NGINX's workers here, relaying in C. `decide`: "c" (least requests in flight in
+    C) or "python" (the product's balancer and default policy called per request from C, on the
+    workers' shared table and prefix index, as the split's deciders)."""
+
+    _module_dir: Path | None = None
+    decide = "c"
+    loop = "c"  # "asyncio": a uvloop loop drives the front (poll() when its epoll fd is readable)
+
+    def __init__(self, workers: int, ports: list[int], port: int) -> None:
+        from bench._compiled_front import build
+        if CompiledFront._module_dir is None:
+            CompiledFront._module_dir = build()
+        self.port = port
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-dp-front-"))
+        argv = [sys.executable, "-m", "bench._compiled_front", "--port", str(port),
+                "--ports", ",".join(map(str, ports)), "--decide", self.decide, "--loop", self.loop,
+                "--module-dir", str(CompiledFront._module_dir)]
+        if self.decide == "python":
+            from orchestrator.config import Settings
+            from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
+            from orchestrator.dataplane.shared_table import SharedTable
+            self._table = SharedTable.create(self.dir / "table")
+            self._prefixes = SharedPrefixIndex.create(self.dir / "prefixes")
+            argv += ["--state", str(self.dir), "--policy", Settings().lb_policy]
+        self._argv = [argv + ["--slot", str(k), "--ready", str(self.dir / f"ready-{k}")] for k in range(workers)]
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "CompiledFront":
+        self.procs = [subprocess.Popen(a, cwd=REPO, stdin=subprocess.DEVNULL, start_new_session=True)
+                      for a in self._argv]
+        deadline = time.monotonic() + 30
+        while not all(Path(a[-1]).exists() for a in self._argv):  # every worker's socket, not the first's
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.__exit__()
+                raise RuntimeError("a compiled front worker did not start")
+            time.sleep(0.05)
+        return self
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class CompiledFrontPython(CompiledFront):
+    decide = "python"
+
+
+class CompiledFrontOnLoop(CompiledFrontPython):
+    """front-py as a data-plane worker would run it: on the worker's asyncio loop (uvloop)."""
+
+    loop = "asyncio"
+
+
+# nginx first: the anchor every row is divided by. split, front-c and front-py: designs issue 22
+# asks to measure beside the product (NGINX carries the bytes and Python decides the route; a
+# compiled relay deciding in C, or calling the product's Python policy), not product modes.
+TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded), ("split", Split),
+                                        ("front-c", CompiledFront), ("front-py", CompiledFrontPython),
+                                        ("front-py-loop", CompiledFrontOnLoop))
+STYLES = (("embedded", "o-"), ("split", "^-"), ("front-c", "v-"), ("front-py", "D-"), ("front-py-loop", "x-"),
+          ("nginx", "s--"))
+# the designs measured beside the product, each divided by NGINX in its own columns
+DESIGNS = ("split", "front-c", "front-py", "front-py-loop")
 
 
 # --- one measurement ------------------------------------------------------------------------------
@@ -433,21 +508,29 @@ def ratios(rows: dict[str, Any], key: str, target: str = "embedded") -> dict[str
     return out
 
 
+def _present(result: dict[str, Any], key: str) -> list[str]:
+    """The designs measured in this run's `key` rows (older runs: none, or only split)."""
+    return [d for d in DESIGNS if d in result[key]]
+
+
 def _stream_table(result: dict[str, Any], key: str, events: int) -> list[str]:
     procs = result.get("source_procs", 1)
     backends = f"{result.get('sources', SOURCES)} sse_source backends" + (f" of {procs} processes each" if procs > 1 else "")
+    names = ["embedded", *_present(result, key), "nginx"]
+    short = " / ".join(n.replace("embedded", "emb") for n in names)
     lines = [f"## SSE events/s (wrk, 256 streams x {events} events, {backends})", "",
-             "| workers | embedded ev/s | split ev/s | nginx ev/s | embedded / nginx | split / nginx | "
-             "CPU-s/1k ev emb / split / nginx | p99 ms emb / split / nginx | sources busy emb / split / nginx |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| workers | " + " | ".join(f"{n} ev/s" for n in names) + " | " +
+             " | ".join(f"{n} / nginx" for n in names[:-1]) +
+             f" | CPU-s/1k ev {short} | p99 ms {short} | sources busy {short} |",
+             "|---|" + "---|" * (2 * len(names) + 2)]
     st = result[key]
     for w in st["embedded"]:
-        e, n, sp = st["embedded"][w], st["nginx"][w], st.get("split", {}).get(w, {})
-        lines.append(f"| {w} | {e['events_per_s']:,} | {sp.get('events_per_s', 0):,} | {n['events_per_s']:,} | "
-                     f"{result[key + '_ratio'][w]} | {result.get(key + '_split_ratio', {}).get(w)} | "
-                     f"{e['cpu_s_per_1k_events']} / {sp.get('cpu_s_per_1k_events')} / {n['cpu_s_per_1k_events']} | "
-                     f"{e['p99_ms']} / {sp.get('p99_ms')} / {n['p99_ms']} | "
-                     f"{e['source_cores_busy']} / {sp.get('source_cores_busy')} / {n['source_cores_busy']} |")
+        rows = [st.get(n, {}).get(w, {}) for n in names]
+        ratio = [result[key + "_ratio"][w]] + [result.get(f"{key}_{d}_ratio", {}).get(w) for d in names[1:-1]]
+        lines.append(f"| {w} | " + " | ".join(f"{r.get('events_per_s', 0):,}" for r in rows) + " | " +
+                     " | ".join(str(x) for x in ratio) + " | " +
+                     " | ".join(" / ".join(str(r.get(f)) for r in rows)
+                                for f in ("cpu_s_per_1k_events", "p99_ms", "source_cores_busy")) + " |")
     return lines
 
 
@@ -457,14 +540,17 @@ def report(result: dict[str, Any]) -> str:
     lines += _stream_table(result, "stream", result["events_per_stream"])
     if result.get("stream_long"):
         lines += [""] + _stream_table(result, "stream_long", result["long_events_per_stream"])
-    lines += ["", "## Tiny generate req/s (one-event answers, 256 connections)", "",
-              "| workers | embedded req/s | split req/s | nginx req/s | embedded / nginx | split / nginx |",
-              "|---|---|---|---|---|---|"]
     tiny = result["tiny"]
+    designs = _present(result, "tiny")
+    names = ["embedded", *designs, "nginx"]
+    lines += ["", "## Tiny generate req/s (one-event answers, 256 connections)", "",
+              "| workers | " + " | ".join(f"{n} req/s" for n in names) + " | " +
+              " | ".join(f"{n} / nginx" for n in names[:-1]) + " |",
+              "|---|" + "---|" * (2 * len(names) - 1)]
     for w in tiny["embedded"]:
-        lines.append(f"| {w} | {tiny['embedded'][w]['rps']:,} | {tiny.get('split', {}).get(w, {}).get('rps', 0):,} | "
-                     f"{tiny['nginx'][w]['rps']:,} | {result['tiny_ratio'][w]} | "
-                     f"{result.get('tiny_split_ratio', {}).get(w)} |")
+        ratio = [result["tiny_ratio"][w]] + [result.get(f"tiny_{d}_ratio", {}).get(w) for d in designs]
+        lines.append(f"| {w} | " + " | ".join(f"{tiny[n][w]['rps']:,}" for n in names) + " | " +
+                     " | ".join(str(x) for x in ratio) + " |")
     if result.get("ttft"):
         t = result["ttft"]
         lines += ["", f"## Added time to first event over direct ({t['workers']} workers, 10 ms per event)", "",
@@ -491,8 +577,9 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
     g: dict[str, Any] = {"max embedded events/s >= 250k": f"{best:,} {'MET' if best >= 250_000 else 'MISSED'}"}
     for w, r in result["stream_ratio"].items():
         g[f"embedded/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
-    for w, r in (result.get("stream_split_ratio") or {}).items():
-        g[f"(design measured, not the product) split/nginx events at {w} workers"] = r
+    for d in _present(result, "stream"):
+        for w, r in (result.get(f"stream_{d}_ratio") or {}).items():
+            g[f"(design measured, not the product) {d}/nginx events at {w} workers"] = r
     if "1" in st and "8" in st:
         s = round(st["8"]["events_per_s"] / st["1"]["events_per_s"], 2)
         g["1 -> 8 workers >= 6x"] = f"{s}x {'MET' if s >= 6 else 'MISSED'}"
@@ -562,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(chosen) - {name for name, _ in TARGETS})
     if unknown or not {"embedded", "nginx"} <= set(chosen):
         print(f"dataplane_bench: --targets {args.targets}: embedded and nginx (the report compares them), "
-              f"and split if wanted", file=sys.stderr)
+              f"and any of {', '.join(DESIGNS)}", file=sys.stderr)
         return 2
     TARGETS = tuple((name, cls) for name, cls in TARGETS if name in chosen)
     for tool in ("wrk", "nginx", "sse_source"):
@@ -587,18 +674,17 @@ def main(argv: list[str] | None = None) -> int:
                                          for w in workers}}
     log(f"stream scaling on {ncpu} cores: workers {workers}")
     result["stream"] = scaling(workers, args.seconds, ncpu, EVENTS, args.source_procs)
-    result["stream_ratio"] = ratios(result["stream"], "events_per_s")
-    result["stream_split_ratio"] = ratios(result["stream"], "events_per_s", "split")
     if args.long_events:
         log(f"long streams ({args.long_events} events)")
         result["long_events_per_stream"] = args.long_events
         result["stream_long"] = scaling(workers, args.seconds, ncpu, args.long_events, args.source_procs)
-        result["stream_long_ratio"] = ratios(result["stream_long"], "events_per_s")
-        result["stream_long_split_ratio"] = ratios(result["stream_long"], "events_per_s", "split")
     log("tiny generate")
     result["tiny"] = scaling(workers, args.seconds / 2, ncpu, 1, args.source_procs)
-    result["tiny_ratio"] = ratios(result["tiny"], "rps")
-    result["tiny_split_ratio"] = ratios(result["tiny"], "rps", "split")
+    for key, field in (("stream", "events_per_s"), ("stream_long", "events_per_s"), ("tiny", "rps")):
+        if key in result:
+            result[key + "_ratio"] = ratios(result[key], field)
+            for d in _present(result, key):
+                result[f"{key}_{d}_ratio"] = ratios(result[key], field, d)
     log("time to first event")
     result["ttft"] = ttft(default_w, args.ttft_seconds, ncpu)
     if not args.no_profile:

@@ -1,0 +1,114 @@
+"""One worker of the compiled front (bench/_compiled_front.c): issue 22's plan, measured.
+
+    python -m bench._compiled_front --port P --ports P0,P1,... [--decide c|python --state DIR --slot K]
+                                    [--loop c|asyncio]
+
+Binds 127.0.0.1:P with SO_REUSEPORT (as the NGINX of bench/dataplane_bench.py does: W processes,
+one socket each, the kernel spreads the connections), writes `--ready PATH` once listening, and
+relays until SIGTERM. `--decide c`: least requests in flight in C (NGINX's least_conn), the bound a
+compiled decision reaches. `--decide python`: the product's balancer and default policy, called once
+per request from C (bench/_route_decider.py's `Decider`, on the workers' shared table and prefix
+index in DIR, slot K), the count released from C when the answer ends. Not a product path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+SOURCE = Path(__file__).with_name("_compiled_front.c")
+
+
+def build() -> Path:
+    """Compile the extension into a new directory (the tree is not written); that directory."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc) for bench/_compiled_front.c")
+    out = Path(tempfile.mkdtemp(prefix="bench-front-"))
+    so = out / ("_compiled_front" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-I", sysconfig.get_paths()["include"],
+                    "-o", str(so), str(SOURCE)], check=True)
+    return out
+
+
+def load(directory: Path) -> ModuleType:
+    sys.path.insert(0, str(directory))
+    return importlib.import_module("_compiled_front")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--ports", required=True)
+    ap.add_argument("--decide", choices=("c", "python"), default="c")
+    ap.add_argument("--state", type=Path)
+    ap.add_argument("--slot", type=int, default=0)
+    ap.add_argument("--policy", default="prefix-affinity")
+    ap.add_argument("--module-dir", type=Path, help="where build() put the extension (else built here)")
+    ap.add_argument("--ready", type=Path)
+    ap.add_argument("--loop", choices=("c", "asyncio"), default="c",
+                    help="c: the front's own blocking loop; asyncio: an asyncio loop (uvloop) drives it")
+    args = ap.parse_args()
+    if args.loop == "asyncio":
+        try:
+            import uvloop
+            uvloop.install()
+        except ImportError:
+            pass
+    ports = [int(p) for p in args.ports.split(",")]
+    front = load(args.module_dir or build())
+    decide = release = None
+    if args.decide == "python":
+        from bench._route_decider import Decider
+        decider = Decider(args.state, args.slot, ports, args.policy)
+        ids = [b.instance_id for b in decider.backends]
+        index = {iid: i for i, iid in enumerate(ids)}
+
+        def decide(body: bytes) -> int:
+            iid = decider.route(body)
+            return -1 if iid is None else index[iid]
+
+        def release(i: int) -> None:
+            decider.balancer.release(ids[i])
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", args.port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    if args.ready is not None and args.loop == "c":
+        args.ready.write_text("listening\n")
+    try:
+        if args.loop == "asyncio":
+            asyncio.run(_driven(front, sock, ports, decide, release, args.ready))
+        else:
+            front.serve(sock.fileno(), ports, decide, release)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _driven(front: ModuleType, sock: socket.socket, ports: list[int], decide: Any, release: Any,
+                  ready: Path | None) -> None:
+    """The front on an asyncio loop (uvloop where installed), as a data-plane worker would run it
+    beside its other routes: the loop watches the front's epoll fd and calls poll() when it is
+    readable, so the policy runs on the loop's thread with the rest of the worker's state."""
+    loop = asyncio.get_running_loop()
+    loop.add_reader(front.start(sock.fileno(), ports, decide, release), front.poll)
+    if ready is not None:
+        ready.write_text("listening\n")
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
