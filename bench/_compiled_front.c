@@ -12,6 +12,10 @@
  * and with the product's Python policy called once per request (`decide(body) -> index or -1`,
  * `release(index)` when the answer ended or was cut): bench/README.md, "A compiled front".
  *
+ * With `handoff` (start() only), a request whose path is not a hot native route (/v2/models/...
+ * ending in one of `hot_suffixes`) is not the front's: its connection and the bytes read so far go to
+ * `handoff(fd, bytes)`, the worker's aiohttp side (bench/_compiled_front.py feeds them to it).
+ *
  * Left out, as in bench/_min_relay.py: limits, deadlines, the admin surface, hold, header hygiene,
  * metrics, chunked request bodies (answered 411), gRPC and the OpenAI routes. A connect that
  * fails is tried on the next instance (the C decision) or answered 502 (a Python decision); a
@@ -77,6 +81,12 @@ static int inflight[MAX_INST];
 static unsigned long long last_pick[MAX_INST], picks;
 static up_t *idle[MAX_INST];
 static PyObject *decide_cb, *release_cb, *inst_objs[MAX_INST];
+/* Requests the front does not serve go to `handoff_cb(fd, bytes_read)` with their connection: those
+ * whose path (before any '?') is not /v2/models/<...><a hot suffix>, where suffixes are given. */
+static PyObject *handoff_cb;
+static char hot[8][32];
+static size_t hot_len[8];
+static int n_hot;
 static char relay_buf[RELAY_BUF];
 /* Closed this turn of the loop: freed after it, as a later event of the same batch may name them. */
 static void **dead;
@@ -537,6 +547,35 @@ static void client_close(client_t *c) {
     bury(c);
 }
 
+static int is_hot(const char *head, size_t head_len) {
+    const char *path = memchr(head, ' ', head_len);
+    if (path == NULL) return 0;
+    path++;
+    const char *stop = path;
+    while (stop < head + head_len && *stop != ' ' && *stop != '?') stop++;
+    size_t len = (size_t)(stop - path);
+    if (len < 11 || memcmp(path, "/v2/models/", 11) != 0) return 0;
+    for (int i = 0; i < n_hot; i++)
+        if (len > 11 + hot_len[i] && memcmp(stop - hot_len[i], hot[i], hot_len[i]) == 0) return 1;
+    return 0;
+}
+
+/* The connection, and what was read of it, to the Python side: it is no longer the front's. */
+static void hand_off(client_t *c) {
+    epoll_ctl(ep, EPOLL_CTL_DEL, c->fd, NULL);
+    PyObject *r = PyObject_CallFunction(handoff_cb, "iy#", c->fd, c->in, (Py_ssize_t)c->in_len);
+    if (r == NULL) {
+        PyErr_Print();
+        close(c->fd);
+    }
+    Py_XDECREF(r);
+    c->fd = -1;
+    free(c->in);
+    free(c->out);
+    c->in = c->out = NULL;
+    bury(c);
+}
+
 static void try_request(client_t *c) {
     char *end = memmem(c->in, c->in_len, "\r\n\r\n", 4);
     if (end == NULL) {
@@ -547,6 +586,10 @@ static void try_request(client_t *c) {
         return;
     }
     size_t head_len = (size_t)(end - c->in) + 4;
+    if (handoff_cb != NULL && !is_hot(c->in, head_len)) {
+        hand_off(c);
+        return;
+    }
     long long clen = 0;
     const char *p = memchr(c->in, '\n', head_len) + 1, *hend = c->in + head_len;
     c->close_after = 0;
@@ -645,11 +688,30 @@ static int listen_fd = -1;
 
 /* The arguments of start() and serve(): the instances, the callbacks, the epoll set. */
 static PyObject *setup(PyObject *args, PyObject *kw) {
-    static char *names[] = {"listen_fd", "ports", "decide", "release", NULL};
+    static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", NULL};
     int lfd;
-    PyObject *ports, *dec = Py_None, *rel = Py_None;
+    PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None;
     if (ep >= 0) return PyErr_Format(PyExc_RuntimeError, "one front per process: started already");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OO", names, &lfd, &ports, &dec, &rel)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOO", names, &lfd, &ports, &dec, &rel, &hand, &suffixes))
+        return NULL;
+    if (hand != Py_None) {
+        PyObject *sfx = PySequence_Fast(suffixes, "hot_suffixes: a sequence of bytes");
+        if (sfx == NULL) return NULL;
+        n_hot = (int)PySequence_Fast_GET_SIZE(sfx);
+        for (int i = 0; i < n_hot; i++) {
+            char *b;
+            Py_ssize_t l;
+            if (i >= 8 || PyBytes_AsStringAndSize(PySequence_Fast_GET_ITEM(sfx, i), &b, &l) < 0 || l >= 32) {
+                Py_DECREF(sfx);
+                return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "hot_suffixes: 8 of 31 bytes at most");
+            }
+            memcpy(hot[i], b, (size_t)l);
+            hot_len[i] = (size_t)l;
+        }
+        Py_DECREF(sfx);
+        Py_INCREF(hand);
+        handoff_cb = hand;
+    }
     PyObject *seq = PySequence_Fast(ports, "ports: a sequence of ints");
     if (seq == NULL) return NULL;
     n_inst = (int)PySequence_Fast_GET_SIZE(seq);
@@ -739,7 +801,8 @@ static PyMethodDef methods[] = {
     {"serve", (PyCFunction)(void (*)(void))serve, METH_VARARGS | METH_KEYWORDS,
      "serve(listen_fd, ports, decide=None, release=None): relay until a signal's handler raises"},
     {"start", (PyCFunction)(void (*)(void))start, METH_VARARGS | METH_KEYWORDS,
-     "start(listen_fd, ports, decide=None, release=None) -> the epoll fd to watch; then poll()"},
+     "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None) -> the epoll fd to "
+     "watch; then poll()"},
     {"poll", poll_ready, METH_NOARGS, "poll() -> events handled: the ready ones, without waiting"},
     {"stats", stats, METH_NOARGS, "stats() -> {'inflight': [...], 'kept': [...]} per instance"},
     {NULL, NULL, 0, NULL}};

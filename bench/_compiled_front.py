@@ -1,7 +1,7 @@
 """One worker of the compiled front (bench/_compiled_front.c): issue 22's plan, measured.
 
     python -m bench._compiled_front --port P --ports P0,P1,... [--decide c|python --state DIR --slot K]
-                                    [--loop c|asyncio]
+                                    [--loop c|asyncio [--handoff]]
 
 Binds 127.0.0.1:P with SO_REUSEPORT (as the NGINX of bench/dataplane_bench.py does: W processes,
 one socket each, the kernel spreads the connections), writes `--ready PATH` once listening, and
@@ -58,6 +58,8 @@ def main() -> int:
     ap.add_argument("--ready", type=Path)
     ap.add_argument("--loop", choices=("c", "asyncio"), default="c",
                     help="c: the front's own blocking loop; asyncio: an asyncio loop (uvloop) drives it")
+    ap.add_argument("--handoff", action="store_true",
+                    help="(--loop asyncio) requests other than the native generate/infer routes go to aiohttp")
     args = ap.parse_args()
     if args.loop == "asyncio":
         try:
@@ -90,7 +92,7 @@ def main() -> int:
         args.ready.write_text("listening\n")
     try:
         if args.loop == "asyncio":
-            asyncio.run(_driven(front, sock, ports, decide, release, args.ready))
+            asyncio.run(_driven(front, sock, ports, decide, release, args.ready, args.handoff))
         else:
             front.serve(sock.fileno(), ports, decide, release)
     except KeyboardInterrupt:
@@ -98,13 +100,73 @@ def main() -> int:
     return 0
 
 
+# The native routes the front serves itself; every other request's connection is handed to aiohttp.
+HOT_SUFFIXES = (b"/generate", b"/generate_stream", b"/infer")
+
+
+class _Primed(asyncio.Protocol):
+    """aiohttp's protocol for a connection the front handed over: fed the bytes the front had read
+    before anything the socket brings next, so a pipelined request cannot overtake them."""
+
+    def __init__(self, inner: asyncio.Protocol, first: bytes) -> None:
+        self.inner = inner
+        self.first = first
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        self.inner.data_received(self.first)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+async def _aiohttp_side() -> Any:
+    """What a worker's aiohttp server would answer on handed connections: here one route."""
+    from aiohttp import web
+
+    async def ready(_: web.Request) -> web.Response:
+        return web.Response(text="ready (aiohttp)")
+
+    app = web.Application()
+    app.router.add_get("/v2/health/ready", ready)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    return runner
+
+
 async def _driven(front: ModuleType, sock: socket.socket, ports: list[int], decide: Any, release: Any,
-                  ready: Path | None) -> None:
+                  ready: Path | None, handoff: bool = False) -> None:
     """The front on an asyncio loop (uvloop where installed), as a data-plane worker would run it
     beside its other routes: the loop watches the front's epoll fd and calls poll() when it is
-    readable, so the policy runs on the loop's thread with the rest of the worker's state."""
+    readable, so the policy runs on the loop's thread with the rest of the worker's state. With
+    `handoff`, requests that are not hot native routes are answered by aiohttp on the same loop,
+    their connections handed over with the bytes already read."""
     loop = asyncio.get_running_loop()
-    loop.add_reader(front.start(sock.fileno(), ports, decide, release), front.poll)
+    kw: dict[str, Any] = {}
+    if handoff:
+        runner = await _aiohttp_side()
+        adopted: set[asyncio.Task] = set()  # the loop keeps weak references to tasks only
+
+        def take(fd: int, first: bytes) -> None:
+            conn = socket.socket(fileno=fd)
+            task = loop.create_task(loop.connect_accepted_socket(lambda: _Primed(runner.server(), first), conn))
+            adopted.add(task)
+            task.add_done_callback(adopted.discard)
+
+        kw = {"handoff": take, "hot_suffixes": HOT_SUFFIXES}
+    loop.add_reader(front.start(sock.fileno(), ports, decide, release, **kw), front.poll)
     if ready is not None:
         ready.write_text("listening\n")
     await asyncio.Event().wait()

@@ -187,3 +187,45 @@ def test_an_answer_framed_by_its_length_is_relayed_whole_twice_on_one_connection
     finally:
         stop(proc)
         server.shutdown()
+
+
+def test_other_routes_go_to_aiohttp_on_the_same_connection_with_the_bytes_already_read(module_dir, sources,
+                                                                                        tmp_path):
+    """The front's hand-off (issue 22's plan: the hot native routes in C, every other request to the
+    worker's aiohttp side): a connection whose request is not a hot route is aiohttp's from then
+    on, the bytes the front read included, pipelined ones after them."""
+    direct = one_answer(sources[0].port)
+    port = free_port()
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "bench._compiled_front", "--port", str(port),
+                             "--ports", str(sources[0].port), "--loop", "asyncio", "--handoff",
+                             "--module-dir", str(module_dir), "--ready", str(ready)], cwd=REPO,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(REQUEST)  # hot: relayed by the front
+            assert read_answers(s, 1) == direct
+        health = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(10)
+            s.sendall(health * 2 + b"GET /v2/models/x/config HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while data.count(b"HTTP/1.1 ") < 3:
+                more = s.recv(65536)
+                assert more
+                data += more
+            answers = data.split(b"HTTP/1.1 ")[1:]
+            assert [a[:3] for a in answers] == [b"200", b"200", b"404"]
+            assert b"ready (aiohttp)" in answers[0] and b"ready (aiohttp)" in answers[1]
+            s.sendall(health)  # the connection stays aiohttp's
+            data = b""
+            while b"ready (aiohttp)" not in data:
+                more = s.recv(65536)
+                assert more
+                data += more
+    finally:
+        stop(proc)
