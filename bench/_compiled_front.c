@@ -81,6 +81,7 @@ static int inflight[MAX_INST];
 static unsigned long long last_pick[MAX_INST], picks;
 static up_t *idle[MAX_INST];
 static PyObject *decide_cb, *release_cb, *inst_objs[MAX_INST];
+static int decide_head;  /* decide(head, body) instead of decide(body): the product's rules read the head */
 /* Requests the front does not serve go to `handoff_cb(fd, bytes_read)` with their connection: those
  * whose path (before any '?') is not /v2/models/<...><a hot suffix>, where suffixes are given. */
 static PyObject *handoff_cb;
@@ -137,7 +138,11 @@ static int decide(client_t *c, size_t head_len, int skip) {
     } else {
         if (skip >= 0) return -1;  /* the Python policy retries nothing here */
         PyObject *body = PyBytes_FromStringAndSize(c->in + head_len, (Py_ssize_t)(c->req_len - head_len));
-        PyObject *r = body ? PyObject_CallOneArg(decide_cb, body) : NULL;
+        PyObject *r;
+        if (body != NULL && decide_head)
+            r = PyObject_CallFunction(decide_cb, "y#O", c->in, (Py_ssize_t)head_len, body);
+        else
+            r = body ? PyObject_CallOneArg(decide_cb, body) : NULL;
         Py_XDECREF(body);
         inst = r ? (int)PyLong_AsLong(r) : -1;
         Py_XDECREF(r);
@@ -688,11 +693,13 @@ static int listen_fd = -1;
 
 /* The arguments of start() and serve(): the instances, the callbacks, the epoll set. */
 static PyObject *setup(PyObject *args, PyObject *kw) {
-    static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", NULL};
+    static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", "decide_head",
+                            NULL};
     int lfd;
     PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None;
     if (ep >= 0) return PyErr_Format(PyExc_RuntimeError, "one front per process: started already");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOO", names, &lfd, &ports, &dec, &rel, &hand, &suffixes))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOp", names, &lfd, &ports, &dec, &rel, &hand, &suffixes,
+                                     &decide_head))
         return NULL;
     if (hand != Py_None) {
         PyObject *sfx = PySequence_Fast(suffixes, "hot_suffixes: a sequence of bytes");
@@ -777,11 +784,19 @@ static PyObject *start(PyObject *self, PyObject *args, PyObject *kw) {
     return PyLong_FromLong(ep);
 }
 
-static PyObject *poll_ready(PyObject *self, PyObject *unused) {
+/* poll(rounds=1): up to `rounds` batches, while events are ready. More than one saves the event
+ * loop's own wait and callback between batches that come back to back, at one empty wait. */
+static PyObject *poll_ready(PyObject *self, PyObject *args) {
+    int rounds = 1, total = 0;
+    if (!PyArg_ParseTuple(args, "|i", &rounds)) return NULL;
     if (ep < 0) return PyErr_Format(PyExc_RuntimeError, "start() first");
-    int n = run_batch(0);
-    if (n < 0 && errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
-    return PyLong_FromLong(n < 0 ? 0 : n);
+    for (int i = 0; i < rounds; i++) {
+        int n = run_batch(0);
+        if (n < 0 && errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
+        if (n <= 0) break;
+        total += n;
+    }
+    return PyLong_FromLong(total);
 }
 
 /* What tests look at: per instance, requests in flight and kept idle connections. */
@@ -801,9 +816,9 @@ static PyMethodDef methods[] = {
     {"serve", (PyCFunction)(void (*)(void))serve, METH_VARARGS | METH_KEYWORDS,
      "serve(listen_fd, ports, decide=None, release=None): relay until a signal's handler raises"},
     {"start", (PyCFunction)(void (*)(void))start, METH_VARARGS | METH_KEYWORDS,
-     "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None) -> the epoll fd to "
-     "watch; then poll()"},
-    {"poll", poll_ready, METH_NOARGS, "poll() -> events handled: the ready ones, without waiting"},
+     "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, decide_head=False) -> "
+     "the epoll fd to watch; then poll()"},
+    {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
     {"stats", stats, METH_NOARGS, "stats() -> {'inflight': [...], 'kept': [...]} per instance"},
     {NULL, NULL, 0, NULL}};
 

@@ -1,7 +1,7 @@
 """One worker of the compiled front (bench/_compiled_front.c): issue 22's plan, measured.
 
     python -m bench._compiled_front --port P --ports P0,P1,... [--decide c|python --state DIR --slot K]
-                                    [--loop c|asyncio [--handoff]]
+                                    [--loop c|asyncio|asyncio-drain [--handoff]]
 
 Binds 127.0.0.1:P with SO_REUSEPORT (as the NGINX of bench/dataplane_bench.py does: W processes,
 one socket each, the kernel spreads the connections), writes `--ready PATH` once listening, and
@@ -50,18 +50,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--ports", required=True)
-    ap.add_argument("--decide", choices=("c", "python"), default="c")
+    ap.add_argument("--decide", choices=("c", "python", "python-full"), default="c",
+                    help="python-full: also the product's other per-request Python (headers, metrics)")
     ap.add_argument("--state", type=Path)
     ap.add_argument("--slot", type=int, default=0)
     ap.add_argument("--policy", default="prefix-affinity")
     ap.add_argument("--module-dir", type=Path, help="where build() put the extension (else built here)")
     ap.add_argument("--ready", type=Path)
-    ap.add_argument("--loop", choices=("c", "asyncio"), default="c",
-                    help="c: the front's own blocking loop; asyncio: an asyncio loop (uvloop) drives it")
+    ap.add_argument("--loop", choices=("c", "asyncio", "asyncio-drain"), default="c",
+                    help="c: the front's own blocking loop; asyncio: an asyncio loop (uvloop) drives it, a batch "
+                         "of events per wakeup; asyncio-drain: up to 16 batches per wakeup")
     ap.add_argument("--handoff", action="store_true",
                     help="(--loop asyncio) requests other than the native generate/infer routes go to aiohttp")
     args = ap.parse_args()
-    if args.loop == "asyncio":
+    if args.loop != "c":
         try:
             import uvloop
             uvloop.install()
@@ -82,6 +84,8 @@ def main() -> int:
 
         def release(i: int) -> None:
             decider.balancer.release(ids[i])
+    elif args.decide == "python-full":
+        decide, release = _full_rules(args.state, args.slot, ports, args.policy)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -91,10 +95,12 @@ def main() -> int:
     if args.ready is not None and args.loop == "c":
         args.ready.write_text("listening\n")
     try:
-        if args.loop == "asyncio":
-            asyncio.run(_driven(front, sock, ports, decide, release, args.ready, args.handoff))
+        if args.loop != "c":
+            asyncio.run(_driven(front, sock, ports, decide, release, args.ready, args.handoff,
+                                rounds=16 if args.loop == "asyncio-drain" else 1,
+                                decide_head=args.decide == "python-full"))
         else:
-            front.serve(sock.fileno(), ports, decide, release)
+            front.serve(sock.fileno(), ports, decide, release, decide_head=args.decide == "python-full")
     except KeyboardInterrupt:
         pass
     return 0
@@ -146,8 +152,71 @@ async def _aiohttp_side() -> Any:
     return runner
 
 
+def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[Any, Any]:
+    """decide(head, body) and release(i) doing, besides the route, the other Python the embedded
+    path runs per request (its cost, not its effect: the front still sends the request's bytes as
+    they came): the head parsed into headers, the instance's request headers, the routing and
+    in-flight metrics and the generation's timer at the request; the count, the client's response
+    headers and head, the timer's event and end at the answer's end. Left out: the per-read SSE
+    count (`SseCounter`), which would run per event, not per request."""
+    from collections import deque
+
+    import httptools
+    from multidict import CIMultiDict
+
+    from bench._route_decider import Decider
+    from orchestrator.dataplane.headers import client_response_headers, upstream_request_headers
+    from orchestrator.dataplane.metrics import ProxyMetrics
+    from orchestrator.dataplane.response_head import response_head
+
+    decider = Decider(state, slot, ports, policy)
+    balancer = decider.balancer
+    metrics = ProxyMetrics()
+    ids = [b.instance_id for b in decider.backends]
+    index = {iid: i for i, iid in enumerate(ids)}
+    open_requests: list[deque] = [deque() for _ in ids]  # (timer, gauge) per request, per instance
+    answer_headers = CIMultiDict({"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"})
+
+    class _Head:
+        def __init__(self) -> None:
+            self.headers: CIMultiDict[str] = CIMultiDict()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def decide(head: bytes, body: bytes) -> int:
+        parsed = _Head()
+        httptools.HttpRequestParser(parsed).feed_data(head)
+        iid = decider.route(body)
+        if iid is None:
+            return -1
+        timer = metrics.timer("generate_stream")
+        metrics.routed(balancer.policy, balancer.last_reason, iid)
+        if balancer.last_decision is not None:
+            metrics.route_decision(balancer.last_decision, timer)
+        gauge = metrics.inflight_child(iid)
+        gauge.inc()
+        up = upstream_request_headers(parsed.headers, "127.0.0.1", False)
+        b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in up.items())  # the head to send
+        open_requests[index[iid]].append((timer, gauge))
+        return index[iid]
+
+    def release(i: int) -> None:
+        iid = ids[i]
+        balancer.release(iid)
+        timer, gauge = open_requests[i].popleft()
+        gauge.dec()
+        metrics.count(iid, 200)
+        response_head(200, "OK", client_response_headers(answer_headers, keep_length=False), version=(1, 1),
+                      framed=True, keep_alive=True)
+        timer.events(iid, 1)
+        timer.attempt_over()
+
+    return decide, release
+
+
 async def _driven(front: ModuleType, sock: socket.socket, ports: list[int], decide: Any, release: Any,
-                  ready: Path | None, handoff: bool = False) -> None:
+                  ready: Path | None, handoff: bool = False, rounds: int = 1, decide_head: bool = False) -> None:
     """The front on an asyncio loop (uvloop where installed), as a data-plane worker would run it
     beside its other routes: the loop watches the front's epoll fd and calls poll() when it is
     readable, so the policy runs on the loop's thread with the rest of the worker's state. With
@@ -166,7 +235,8 @@ async def _driven(front: ModuleType, sock: socket.socket, ports: list[int], deci
             task.add_done_callback(adopted.discard)
 
         kw = {"handoff": take, "hot_suffixes": HOT_SUFFIXES}
-    loop.add_reader(front.start(sock.fileno(), ports, decide, release, **kw), front.poll)
+    loop.add_reader(front.start(sock.fileno(), ports, decide, release, decide_head=decide_head, **kw),
+                    front.poll, rounds)
     if ready is not None:
         ready.write_text("listening\n")
     await asyncio.Event().wait()

@@ -15,10 +15,12 @@ the same sources:
   - split: the design the issue asks to measure, not a product mode: NGINX with W workers
     carries the bytes, W Python deciders (bench/_route_decider.py: the product's balancer
     and default policy on the workers' shared table and prefix index) choose each route;
-  - front-c, front-py, front-py-loop: the compiled front of issue 22's plan, not a product mode:
-    W processes relaying in C (bench/_compiled_front.c), deciding in C (least requests in flight)
-    or calling the product's balancer and default policy once per request; front-py-loop is
-    front-py driven by an asyncio loop (uvloop), as a data-plane worker would run it.
+  - front-*: the compiled front of issue 22's plan, not a product mode: W processes relaying in
+    C (bench/_compiled_front.c), deciding in C (front-c: least requests in flight) or calling
+    the product's balancer and default policy once per request (front-py); front-py-loop is
+    front-py driven by an asyncio loop (uvloop), as a data-plane worker would run it, and
+    front-py-drain the same taking up to 16 batches of events per wakeup; front-full is front-py
+    with the product's other per-request Python (headers, metrics) called from the front too.
 Pinning: worker i of any proxy (and decider i) on core i (cores 0..W-1); the rest of the machine split
 between the sources and wrk (4 threads at most). Past ~8 workers the sources have few cores
 left: each row reports the sources' CPU use, and a row whose sources ran near their cores'
@@ -298,7 +300,7 @@ class CompiledFront:
         argv = [sys.executable, "-m", "bench._compiled_front", "--port", str(port),
                 "--ports", ",".join(map(str, ports)), "--decide", self.decide, "--loop", self.loop,
                 "--module-dir", str(CompiledFront._module_dir)]
-        if self.decide == "python":
+        if self.decide != "c":
             from orchestrator.config import Settings
             from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
             from orchestrator.dataplane.shared_table import SharedTable
@@ -344,16 +346,31 @@ class CompiledFrontOnLoop(CompiledFrontPython):
     loop = "asyncio"
 
 
+class CompiledFrontOnLoopDrained(CompiledFrontPython):
+    """front-py-loop taking up to 16 batches of ready events per wakeup of the loop."""
+
+    loop = "asyncio-drain"
+
+
+class CompiledFrontFullRules(CompiledFront):
+    """front-py with the product's other per-request Python too (headers, metrics): what a front
+    that keeps every rule in Python would pay (bench/_compiled_front.py, `_full_rules`)."""
+
+    decide = "python-full"
+
+
 # nginx first: the anchor every row is divided by. split, front-c and front-py: designs issue 22
 # asks to measure beside the product (NGINX carries the bytes and Python decides the route; a
 # compiled relay deciding in C, or calling the product's Python policy), not product modes.
 TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded), ("split", Split),
                                         ("front-c", CompiledFront), ("front-py", CompiledFrontPython),
-                                        ("front-py-loop", CompiledFrontOnLoop))
+                                        ("front-py-loop", CompiledFrontOnLoop),
+                                        ("front-py-drain", CompiledFrontOnLoopDrained),
+                                        ("front-full", CompiledFrontFullRules))
 STYLES = (("embedded", "o-"), ("split", "^-"), ("front-c", "v-"), ("front-py", "D-"), ("front-py-loop", "x-"),
-          ("nginx", "s--"))
+          ("front-py-drain", "+-"), ("front-full", "*-"), ("nginx", "s--"))
 # the designs measured beside the product, each divided by NGINX in its own columns
-DESIGNS = ("split", "front-c", "front-py", "front-py-loop")
+DESIGNS = ("split", "front-c", "front-py", "front-py-loop", "front-py-drain", "front-full")
 
 
 # --- one measurement ------------------------------------------------------------------------------

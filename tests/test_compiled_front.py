@@ -40,7 +40,7 @@ def start_front(module_dir: Path, ports: list[int], tmp: Path, decide: str = "c"
     ready = tmp / f"ready-{port}"
     argv = [sys.executable, "-m", "bench._compiled_front", "--port", str(port), "--ports", ",".join(map(str, ports)),
             "--decide", decide, "--loop", loop, "--module-dir", str(module_dir), "--ready", str(ready)]
-    if decide == "python":
+    if decide != "c":
         argv += ["--state", str(tmp), "--slot", "0"]
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
