@@ -19,7 +19,8 @@ the same sources:
     C (bench/_compiled_front.c), deciding in C (front-c: least requests in flight) or calling
     the product's balancer and default policy once per request (front-py); front-py-loop is
     front-py driven by an asyncio loop (uvloop), as a data-plane worker would run it, and
-    front-py-drain the same taking up to 16 batches of events per wakeup; front-full is front-py
+    front-py-drain the same taking up to 16 batches of events per wakeup (front-py-lo: routing by
+    least-outstanding instead of the default); front-full is front-py
     with the product's other per-request Python (headers, metrics) called from the front too.
 Pinning: worker i of any proxy (and decider i) on core i (cores 0..W-1); the rest of the machine split
 between the sources and wrk (4 threads at most). Past ~8 workers the sources have few cores
@@ -289,6 +290,7 @@ class CompiledFront:
 
     _module_dir: Path | None = None
     decide = "c"
+    policy = ""  # the Python route's policy: the product's default where empty
     loop = "c"  # "asyncio": a uvloop loop drives the front (poll() when its epoll fd is readable)
 
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
@@ -306,7 +308,7 @@ class CompiledFront:
             from orchestrator.dataplane.shared_table import SharedTable
             self._table = SharedTable.create(self.dir / "table")
             self._prefixes = SharedPrefixIndex.create(self.dir / "prefixes")
-            argv += ["--state", str(self.dir), "--policy", Settings().lb_policy]
+            argv += ["--state", str(self.dir), "--policy", self.policy or Settings().lb_policy]
         self._argv = [argv + ["--slot", str(k), "--ready", str(self.dir / f"ready-{k}")] for k in range(workers)]
         self.procs: list[subprocess.Popen] = []
 
@@ -352,6 +354,13 @@ class CompiledFrontOnLoopDrained(CompiledFrontPython):
     loop = "asyncio-drain"
 
 
+class CompiledFrontLeastOutstanding(CompiledFrontOnLoopDrained):
+    """front-py-drain routing by least-outstanding: the shared in-flight table alone, no prefix
+    index and no turns' stamps written per request (is the shared state what limits scaling?)."""
+
+    policy = "least-outstanding"
+
+
 class CompiledFrontFullRules(CompiledFront):
     """front-py with the product's other per-request Python too (headers, metrics): what a front
     that keeps every rule in Python would pay (bench/_compiled_front.py, `_full_rules`)."""
@@ -366,11 +375,12 @@ TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded)
                                         ("front-c", CompiledFront), ("front-py", CompiledFrontPython),
                                         ("front-py-loop", CompiledFrontOnLoop),
                                         ("front-py-drain", CompiledFrontOnLoopDrained),
+                                        ("front-py-lo", CompiledFrontLeastOutstanding),
                                         ("front-full", CompiledFrontFullRules))
 STYLES = (("embedded", "o-"), ("split", "^-"), ("front-c", "v-"), ("front-py", "D-"), ("front-py-loop", "x-"),
-          ("front-py-drain", "+-"), ("front-full", "*-"), ("nginx", "s--"))
+          ("front-py-drain", "+-"), ("front-py-lo", "<-"), ("front-full", "*-"), ("nginx", "s--"))
 # the designs measured beside the product, each divided by NGINX in its own columns
-DESIGNS = ("split", "front-c", "front-py", "front-py-loop", "front-py-drain", "front-full")
+DESIGNS = ("split", "front-c", "front-py", "front-py-loop", "front-py-drain", "front-py-lo", "front-full")
 
 
 # --- one measurement ------------------------------------------------------------------------------
