@@ -1,6 +1,6 @@
 """One worker of the compiled front (bench/_compiled_front.c): issue 22's plan, measured.
 
-    python -m bench._compiled_front --port P --ports P0,P1,... [--decide c|python --state DIR --slot K]
+    python -m bench._compiled_front --port P --ports P0,P1,... [--decide c|python|python-full --state DIR --slot K]
                                     [--loop c|asyncio|asyncio-drain [--handoff]]
 
 Binds 127.0.0.1:P with SO_REUSEPORT (as the NGINX of bench/dataplane_bench.py does: W processes,
@@ -8,7 +8,8 @@ one socket each, the kernel spreads the connections), writes `--ready PATH` once
 relays until SIGTERM. `--decide c`: least requests in flight in C (NGINX's least_conn), the bound a
 compiled decision reaches. `--decide python`: the product's balancer and default policy, called once
 per request from C (bench/_route_decider.py's `Decider`, on the workers' shared table and prefix
-index in DIR, slot K), the count released from C when the answer ends. Not a product path.
+index in DIR, slot K), the count released from C when the answer ends; `python-full` also runs the
+embedded path's other per-request Python (`_full_rules`). Not a product path.
 """
 
 from __future__ import annotations

@@ -296,7 +296,9 @@ class CompiledFront:
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
         from bench._compiled_front import build
         if CompiledFront._module_dir is None:
+            import atexit
             CompiledFront._module_dir = build()
+            atexit.register(shutil.rmtree, CompiledFront._module_dir, True)
         self.port = port
         self.dir = Path(tempfile.mkdtemp(prefix="bench-dp-front-"))
         argv = [sys.executable, "-m", "bench._compiled_front", "--port", str(port),
