@@ -57,7 +57,6 @@ typedef struct client {
     char *out;
     size_t out_len, out_off, out_cap;
     up_t *up;
-    int inst;
     int tries;
 } client_t;
 
@@ -327,7 +326,6 @@ static void start_upstream(client_t *c, int inst) {
     }
     u->cl = c;
     c->up = u;
-    c->inst = inst;
     u->send_off = 0;
     u->head_len = 0;
     u->got_bytes = u->readable_pending = 0;
@@ -449,11 +447,7 @@ static void up_eof(up_t *u) {
         answer_ended(u);
     } else if (!u->got_bytes) {
         up_failed(u);
-    } else {  /* cut mid-answer: the client's answer is cut too */
-        int inst = u->inst;
-        up_close(u);
-        c->up = NULL;
-        released(inst);
+    } else {  /* cut mid-answer: the client's answer is cut too (client_close drops `u`) */
         client_close(c);
     }
 }
@@ -496,11 +490,7 @@ static void up_readable(up_t *u) {
         if (off + body < (size_t)n) u->keep = 0;  /* bytes past the answer: not a connection to keep */
         if (body) iov[cnt++] = (struct iovec){relay_buf + off, body};
         if (cnt && to_client(c, iov, cnt) < 0) {
-            int inst = u->inst;
-            up_close(u);
-            c->up = NULL;
-            released(inst);
-            client_close(c);
+            client_close(c);  /* and `u` with it */
             return;
         }
         if (u->cstate == C_DONE && !u->until_close) {

@@ -74,17 +74,7 @@ def main() -> int:
     front = load(args.module_dir or build())
     decide = release = None
     if args.decide == "python":
-        from bench._route_decider import Decider
-        decider = Decider(args.state, args.slot, ports, args.policy)
-        ids = [b.instance_id for b in decider.backends]
-        index = {iid: i for i, iid in enumerate(ids)}
-
-        def decide(body: bytes) -> int:
-            iid = decider.route(body)
-            return -1 if iid is None else index[iid]
-
-        def release(i: int) -> None:
-            decider.balancer.release(ids[i])
+        _, decide, release = _route_rules(args.state, args.slot, ports, args.policy)
     elif args.decide == "python-full":
         decide, release = _full_rules(args.state, args.slot, ports, args.policy)
 
@@ -153,6 +143,24 @@ async def _aiohttp_side() -> Any:
     return runner
 
 
+def _route_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[Any, Any, Any]:
+    """(the Decider, decide(body) -> instance index or -1, release(index)): the product's route as
+    the split's deciders take it, the count acquired by decide and released by release."""
+    from bench._route_decider import Decider
+    decider = Decider(state, slot, ports, policy)
+    ids = [b.instance_id for b in decider.backends]
+    index = {iid: i for i, iid in enumerate(ids)}
+
+    def decide(body: bytes) -> int:
+        iid = decider.route(body)
+        return -1 if iid is None else index[iid]
+
+    def release(i: int) -> None:
+        decider.balancer.release(ids[i])
+
+    return decider, decide, release
+
+
 def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[Any, Any]:
     """decide(head, body) and release(i) doing, besides the route, the other Python the embedded
     path runs per request (its cost, not its effect: the front still sends the request's bytes as
@@ -165,16 +173,14 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
     import httptools
     from multidict import CIMultiDict
 
-    from bench._route_decider import Decider
     from orchestrator.dataplane.headers import client_response_headers, upstream_request_headers
     from orchestrator.dataplane.metrics import ProxyMetrics
     from orchestrator.dataplane.response_head import response_head
 
-    decider = Decider(state, slot, ports, policy)
+    decider, route, unroute = _route_rules(state, slot, ports, policy)
     balancer = decider.balancer
     metrics = ProxyMetrics()
     ids = [b.instance_id for b in decider.backends]
-    index = {iid: i for i, iid in enumerate(ids)}
     open_requests: list[deque] = [deque() for _ in ids]  # (timer, gauge) per request, per instance
     answer_headers = CIMultiDict({"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"})
 
@@ -188,9 +194,10 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
     def decide(head: bytes, body: bytes) -> int:
         parsed = _Head()
         httptools.HttpRequestParser(parsed).feed_data(head)
-        iid = decider.route(body)
-        if iid is None:
+        i = route(body)
+        if i < 0:
             return -1
+        iid = ids[i]
         timer = metrics.timer("generate_stream")
         metrics.routed(balancer.policy, balancer.last_reason, iid)
         if balancer.last_decision is not None:
@@ -199,12 +206,12 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
         gauge.inc()
         up = upstream_request_headers(parsed.headers, "127.0.0.1", False)
         b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in up.items())  # the head to send
-        open_requests[index[iid]].append((timer, gauge))
-        return index[iid]
+        open_requests[i].append((timer, gauge))
+        return i
 
     def release(i: int) -> None:
+        unroute(i)
         iid = ids[i]
-        balancer.release(iid)
         timer, gauge = open_requests[i].popleft()
         gauge.dec()
         metrics.count(iid, 200)

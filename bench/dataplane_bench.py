@@ -120,6 +120,36 @@ class Sources:
 
 
 # --- targets --------------------------------------------------------------------------------
+def shared_routing_files(directory: Path) -> tuple[Any, Any]:
+    """The workers' shared in-flight table and prefix index in `directory`, created zeroed as the
+    daemon makes them for its workers (the Python deciders of split and front-* open them)."""
+    from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
+    from orchestrator.dataplane.shared_table import SharedTable
+    return SharedTable.create(directory / "table"), SharedPrefixIndex.create(directory / "prefixes")
+
+
+def wait_ready(procs: list[subprocess.Popen], paths: list[Path], what: str, timeout_s: float = 30.0) -> None:
+    """Until every one of `paths` exists (each process writes its own once it listens); a
+    RuntimeError if any of `procs` exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a {what} did not start")
+        time.sleep(0.05)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every one still running, then wait for each (10 s, then SIGKILL)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 class Nginx:
     """NGINX with W workers relaying to the sources: the anchor's config
     (../shared/notes/dataplane-anchor.md: least_conn, upstream keep-alive, no buffering)."""
@@ -182,12 +212,9 @@ class Split(Nginx):
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
         super().__init__(workers, ports, port)
         from orchestrator.config import Settings
-        from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
-        from orchestrator.dataplane.shared_table import SharedTable
         self.state = self.prefix / "state"
         self.state.mkdir()
-        self._table = SharedTable.create(self.state / "table")  # as the daemon makes them for its workers
-        self._prefixes = SharedPrefixIndex.create(self.state / "prefixes")
+        self._table, self._prefixes = shared_routing_files(self.state)
         self.policy = Settings().lb_policy
         socks = [self.prefix / f"route-{k}.sock" for k in range(workers)]
         self._deciders_argv = [
@@ -216,12 +243,11 @@ class Split(Nginx):
         for argv in self._deciders_argv:
             self.deciders.append(subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
                                                   start_new_session=True))
-        deadline = time.monotonic() + 30
-        while not all(Path(a[a.index("--done") + 1]).exists() for a in self._deciders_argv):
-            if time.monotonic() > deadline or any(d.poll() is not None for d in self.deciders):
-                self.__exit__()
-                raise RuntimeError("a route decider did not start")
-            time.sleep(0.05)
+        try:
+            wait_ready(self.deciders, [Path(a[a.index("--done") + 1]) for a in self._deciders_argv], "route decider")
+        except RuntimeError:
+            self.__exit__()
+            raise
         super().__enter__()
         return self
 
@@ -230,13 +256,7 @@ class Split(Nginx):
         return super().pids() + [d.pid for d in self.deciders]
 
     def __exit__(self, *exc: Any) -> None:
-        for d in self.deciders:
-            if d.poll() is None:
-                d.terminate()
-            try:
-                d.wait(10)
-            except subprocess.TimeoutExpired:
-                d.kill()
+        stop_all(self.deciders)
         super().__exit__(*exc)  # NGINX, then its prefix (the state and sockets in it)
 
 
@@ -306,10 +326,7 @@ class CompiledFront:
                 "--module-dir", str(CompiledFront._module_dir)]
         if self.decide != "c":
             from orchestrator.config import Settings
-            from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
-            from orchestrator.dataplane.shared_table import SharedTable
-            self._table = SharedTable.create(self.dir / "table")
-            self._prefixes = SharedPrefixIndex.create(self.dir / "prefixes")
+            self._table, self._prefixes = shared_routing_files(self.dir)
             argv += ["--state", str(self.dir), "--policy", self.policy or Settings().lb_policy]
         self._argv = [argv + ["--slot", str(k), "--ready", str(self.dir / f"ready-{k}")] for k in range(workers)]
         self.procs: list[subprocess.Popen] = []
@@ -317,26 +334,18 @@ class CompiledFront:
     def __enter__(self) -> "CompiledFront":
         self.procs = [subprocess.Popen(a, cwd=REPO, stdin=subprocess.DEVNULL, start_new_session=True)
                       for a in self._argv]
-        deadline = time.monotonic() + 30
-        while not all(Path(a[-1]).exists() for a in self._argv):  # every worker's socket, not the first's
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.__exit__()
-                raise RuntimeError("a compiled front worker did not start")
-            time.sleep(0.05)
+        try:  # every worker's socket, not the first's
+            wait_ready(self.procs, [Path(a[-1]) for a in self._argv], "compiled front worker")
+        except RuntimeError:
+            self.__exit__()
+            raise
         return self
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
     def __exit__(self, *exc: Any) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(self.procs)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

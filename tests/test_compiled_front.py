@@ -39,12 +39,12 @@ def module_dir() -> Path:
     shutil.rmtree(built, ignore_errors=True)
 
 
-def start_front(module_dir: Path, ports: list[int], tmp: Path, decide: str = "c", loop: str = "c"
-                ) -> tuple[subprocess.Popen, int]:
+def start_front(module_dir: Path, ports: list[int], tmp: Path, decide: str = "c", loop: str = "c",
+                extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
     port = free_port()
     ready = tmp / f"ready-{port}"
     argv = [sys.executable, "-m", "bench._compiled_front", "--port", str(port), "--ports", ",".join(map(str, ports)),
-            "--decide", decide, "--loop", loop, "--module-dir", str(module_dir), "--ready", str(ready)]
+            "--decide", decide, "--loop", loop, "--module-dir", str(module_dir), "--ready", str(ready), *extra]
     if decide != "c":
         argv += ["--state", str(tmp), "--slot", "0"]
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL)
@@ -200,17 +200,8 @@ def test_other_routes_go_to_aiohttp_on_the_same_connection_with_the_bytes_alread
     worker's aiohttp side): a connection whose request is not a hot route is aiohttp's from then
     on, the bytes the front read included, pipelined ones after them."""
     direct = one_answer(sources[0].port)
-    port = free_port()
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "bench._compiled_front", "--port", str(port),
-                             "--ports", str(sources[0].port), "--loop", "asyncio", "--handoff",
-                             "--module-dir", str(module_dir), "--ready", str(ready)], cwd=REPO,
-                            stdin=subprocess.DEVNULL)
+    proc, port = start_front(module_dir, [sources[0].port], tmp_path, loop="asyncio", extra=("--handoff",))
     try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(REQUEST)  # hot: relayed by the front
             assert read_answers(s, 1) == direct
