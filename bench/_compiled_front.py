@@ -1,7 +1,7 @@
-"""One worker of the compiled front (bench/_compiled_front.c): issue 22's plan, measured.
+"""One worker of the compiled front (orchestrator/dataplane/front/_front.c): issue 22's plan, measured.
 
     python -m bench._compiled_front --port P --ports P0,P1,... [--decide c|python|python-full --state DIR --slot K]
-                                    [--loop c|asyncio|asyncio-drain [--handoff]]
+                                    [--loop c|asyncio|asyncio-drain [--handoff [--limits H,B,K]]]
 
 Binds 127.0.0.1:P with SO_REUSEPORT (as the NGINX of bench/dataplane_bench.py does: W processes,
 one socket each, the kernel spreads the connections), writes `--ready PATH` once listening, and
@@ -9,42 +9,29 @@ relays until SIGTERM. `--decide c`: least requests in flight in C (NGINX's least
 compiled decision reaches. `--decide python`: the product's balancer and default policy, called once
 per request from C (bench/_route_decider.py's `Decider`, on the workers' shared table and prefix
 index in DIR, slot K), the count released from C when the answer ends; `python-full` also runs the
-embedded path's other per-request Python (`_full_rules`). Not a product path.
+embedded path's other per-request Python (`_full_rules`). With `--handoff` the front keeps the
+product's rules (front/compiled.py: its routes, header hygiene, slow clients cut; `--limits`: the
+head, body and keep-alive seconds) and hands every other request to an aiohttp side. Not yet a
+worker mode of the product.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import shutil
 import socket
-import subprocess
 import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-SOURCE = Path(__file__).with_name("_compiled_front.c")
-
-
-def build() -> Path:
-    """Compile the extension into a new directory (the tree is not written); that directory."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc) for bench/_compiled_front.c")
-    out = Path(tempfile.mkdtemp(prefix="bench-front-"))
-    so = out / ("_compiled_front" + sysconfig.get_config_var("EXT_SUFFIX"))
-    subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-I", sysconfig.get_paths()["include"],
-                    "-o", str(so), str(SOURCE)], check=True)
-    return out
-
-
-def load(directory: Path) -> ModuleType:
-    sys.path.insert(0, str(directory))
-    return importlib.import_module("_compiled_front")
+def load() -> ModuleType:
+    """The compiled front, as setup.py built it into the tree (`scripts/bootstrap`, or
+    `python setup.py build_ext --inplace`)."""
+    from orchestrator.dataplane.front.compiled import NATIVE
+    if NATIVE is None:
+        raise RuntimeError("orchestrator/dataplane/front/_front.c is not built: python setup.py build_ext --inplace")
+    return NATIVE
 
 
 def main() -> int:
@@ -56,13 +43,15 @@ def main() -> int:
     ap.add_argument("--state", type=Path)
     ap.add_argument("--slot", type=int, default=0)
     ap.add_argument("--policy", default="prefix-affinity")
-    ap.add_argument("--module-dir", type=Path, help="where build() put the extension (else built here)")
     ap.add_argument("--ready", type=Path)
     ap.add_argument("--loop", choices=("c", "asyncio", "asyncio-drain"), default="c",
                     help="c: the front's own blocking loop; asyncio: an asyncio loop (uvloop) drives it, a batch "
                          "of events per wakeup; asyncio-drain: up to 16 batches per wakeup")
     ap.add_argument("--handoff", action="store_true",
-                    help="(--loop asyncio) requests other than the native generate/infer routes go to aiohttp")
+                    help="(--loop asyncio) requests other than the native generate/infer routes go to aiohttp; the "
+                         "product's rules apply")
+    ap.add_argument("--limits", default="10,30,75",
+                    help="with --handoff: a head's, a body's and a kept connection's seconds (the product's defaults)")
     args = ap.parse_args()
     if args.loop != "c":
         try:
@@ -71,7 +60,7 @@ def main() -> int:
         except ImportError:
             pass
     ports = [int(p) for p in args.ports.split(",")]
-    front = load(args.module_dir or build())
+    front = load()
     decide = release = None
     if args.decide == "python":
         _, decide, release = _route_rules(args.state, args.slot, ports, args.policy)
@@ -87,7 +76,8 @@ def main() -> int:
         args.ready.write_text("listening\n")
     try:
         if args.loop != "c":
-            asyncio.run(_driven(front, sock, ports, decide, release, args.ready, args.handoff,
+            limits = tuple(float(x) for x in args.limits.split(",")) if args.handoff else None
+            asyncio.run(_driven(front, sock, ports, decide, release, args.ready, limits,
                                 rounds=16 if args.loop == "asyncio-drain" else 1,
                                 decide_head=args.decide == "python-full"))
         else:
@@ -95,38 +85,6 @@ def main() -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-
-# The native routes the front serves itself; every other request's connection is handed to aiohttp.
-HOT_SUFFIXES = (b"/generate", b"/generate_stream", b"/infer")
-
-
-class _Primed(asyncio.Protocol):
-    """aiohttp's protocol for a connection the front handed over: fed the bytes the front had read
-    before anything the socket brings next, so a pipelined request cannot overtake them."""
-
-    def __init__(self, inner: asyncio.Protocol, first: bytes) -> None:
-        self.inner = inner
-        self.first = first
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
-        self.inner.data_received(self.first)
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
 
 
 async def _aiohttp_side() -> Any:
@@ -224,27 +182,22 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
 
 
 async def _driven(front: ModuleType, sock: socket.socket, ports: list[int], decide: Any, release: Any,
-                  ready: Path | None, handoff: bool = False, rounds: int = 1, decide_head: bool = False) -> None:
+                  ready: Path | None, limits: tuple[float, ...] | None = None, rounds: int = 1,
+                  decide_head: bool = False) -> None:
     """The front on an asyncio loop (uvloop where installed), as a data-plane worker would run it
-    beside its other routes: the loop watches the front's epoll fd and calls poll() when it is
-    readable, so the policy runs on the loop's thread with the rest of the worker's state. With
-    `handoff`, requests that are not hot native routes are answered by aiohttp on the same loop,
-    their connections handed over with the bytes already read."""
+    beside its other routes (front/compiled.py's `drive`), so the policy runs on the loop's thread
+    with the rest of the worker's state. With `limits` (head, body, keep-alive seconds), the
+    product's rules apply and the requests that are not the front's are answered by aiohttp on the
+    same loop, their connections handed over with the bytes already read."""
+    from orchestrator.dataplane.client_guard import ClientLimits
+    from orchestrator.dataplane.front.compiled import HandOff, drive, rules
     loop = asyncio.get_running_loop()
     kw: dict[str, Any] = {}
-    if handoff:
+    if limits is not None:
         runner = await _aiohttp_side()
-        adopted: set[asyncio.Task] = set()  # the loop keeps weak references to tasks only
-
-        def take(fd: int, first: bytes) -> None:
-            conn = socket.socket(fileno=fd)
-            task = loop.create_task(loop.connect_accepted_socket(lambda: _Primed(runner.server(), first), conn))
-            adopted.add(task)
-            task.add_done_callback(adopted.discard)
-
-        kw = {"handoff": take, "hot_suffixes": HOT_SUFFIXES}
-    loop.add_reader(front.start(sock.fileno(), ports, decide, release, decide_head=decide_head, **kw),
-                    front.poll, rounds)
+        kw = {"handoff": HandOff(loop, runner.server),
+              **rules(ClientLimits(limits[0], limits[1], 1 << 20), limits[2], 1 << 20)}
+    drive(loop, front.start(sock.fileno(), ports, decide, release, decide_head=decide_head, **kw), rounds)
     if ready is not None:
         ready.write_text("listening\n")
     await asyncio.Event().wait()

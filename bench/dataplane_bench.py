@@ -16,12 +16,14 @@ the same sources:
     carries the bytes, W Python deciders (bench/_route_decider.py: the product's balancer
     and default policy on the workers' shared table and prefix index) choose each route;
   - front-*: the compiled front of issue 22's plan, not a product mode: W processes relaying in
-    C (bench/_compiled_front.c), deciding in C (front-c: least requests in flight) or calling
+    C (orchestrator/dataplane/front/_front.c), deciding in C (front-c: least requests in flight) or calling
     the product's balancer and default policy once per request (front-py); front-py-loop is
     front-py driven by an asyncio loop (uvloop), as a data-plane worker would run it, and
     front-py-drain the same taking up to 16 batches of events per wakeup (front-py-lo: routing by
     least-outstanding instead of the default); front-full is front-py
-    with the product's other per-request Python (headers, metrics) called from the front too.
+    with the product's other per-request Python (headers, metrics) called from the front too;
+    front-rules is front-py-drain with the rules the front keeps in C (front/compiled.py: header
+    hygiene both ways, slow-client deadlines, hand-off of what is not its own).
 Pinning: worker i of any proxy (and decider i) on core i (cores 0..W-1); the rest of the machine split
 between the sources and wrk (4 threads at most). Past ~8 workers the sources have few cores
 left: each row reports the sources' CPU use, and a row whose sources ran near their cores'
@@ -303,27 +305,24 @@ class Embedded:
 
 
 class CompiledFront:
-    """The compiled front (bench/_compiled_front.c): W processes, each its own SO_REUSEPORT socket
+    """The compiled front (orchestrator/dataplane/front/_front.c): W processes, each its own SO_REUSEPORT socket
     on the port as NGINX's workers here, relaying in C. `decide`: "c" (least requests in flight in
     C) or "python" (the product's balancer and default policy called per request from C, on the
     workers' shared table and prefix index, as the split's deciders)."""
 
-    _module_dir: Path | None = None
     decide = "c"
     policy = ""  # the Python route's policy: the product's default where empty
     loop = "c"  # "asyncio": a uvloop loop drives the front (poll() when its epoll fd is readable)
+    rules = False  # the product's rules (front/compiled.py: hand-off, header hygiene, deadlines)
 
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
-        from bench._compiled_front import build
-        if CompiledFront._module_dir is None:
-            import atexit
-            CompiledFront._module_dir = build()
-            atexit.register(shutil.rmtree, CompiledFront._module_dir, True)
+        from bench._compiled_front import load
+        load()  # built by setup.py, or a clear error now rather than W failed workers
         self.port = port
         self.dir = Path(tempfile.mkdtemp(prefix="bench-dp-front-"))
         argv = [sys.executable, "-m", "bench._compiled_front", "--port", str(port),
                 "--ports", ",".join(map(str, ports)), "--decide", self.decide, "--loop", self.loop,
-                "--module-dir", str(CompiledFront._module_dir)]
+                *(["--handoff"] if self.rules else [])]
         if self.decide != "c":
             from orchestrator.config import Settings
             self._table, self._prefixes = shared_routing_files(self.dir)
@@ -372,6 +371,13 @@ class CompiledFrontLeastOutstanding(CompiledFrontOnLoopDrained):
     policy = "least-outstanding"
 
 
+class CompiledFrontWithRules(CompiledFrontOnLoopDrained):
+    """front-py-drain keeping the product's rules in C: header hygiene both ways (headers.py's
+    tables), slow-client deadlines, and the hand-off of every request that is not its own."""
+
+    rules = True
+
+
 class CompiledFrontFullRules(CompiledFront):
     """front-py with the product's other per-request Python too (headers, metrics): what a front
     that keeps every rule in Python would pay (bench/_compiled_front.py, `_full_rules`)."""
@@ -387,11 +393,14 @@ TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded)
                                         ("front-py-loop", CompiledFrontOnLoop),
                                         ("front-py-drain", CompiledFrontOnLoopDrained),
                                         ("front-py-lo", CompiledFrontLeastOutstanding),
+                                        ("front-rules", CompiledFrontWithRules),
                                         ("front-full", CompiledFrontFullRules))
 STYLES = (("embedded", "o-"), ("split", "^-"), ("front-c", "v-"), ("front-py", "D-"), ("front-py-loop", "x-"),
-          ("front-py-drain", "+-"), ("front-py-lo", "<-"), ("front-full", "*-"), ("nginx", "s--"))
+          ("front-py-drain", "+-"), ("front-py-lo", "<-"), ("front-rules", ">-"), ("front-full", "*-"),
+          ("nginx", "s--"))
 # the designs measured beside the product, each divided by NGINX in its own columns
-DESIGNS = ("split", "front-c", "front-py", "front-py-loop", "front-py-drain", "front-py-lo", "front-full")
+DESIGNS = ("split", "front-c", "front-py", "front-py-loop", "front-py-drain", "front-py-lo", "front-rules",
+           "front-full")
 
 
 # --- one measurement ------------------------------------------------------------------------------

@@ -76,6 +76,21 @@ _REFUSED = _raw_response("503 Service Unavailable", "too many client connections
 _HEAD_TIMEOUT = _raw_response("408 Request Timeout", "request head not received in time")
 
 
+def _body_late(limits: ClientLimits) -> str:
+    return f"request body not received within {limits.body_timeout_s:g} s"
+
+
+def head_timeout_answer() -> bytes:
+    """What a client whose request head came too late is sent before its connection closes (here
+    and in the compiled front, front/compiled.py)."""
+    return _HEAD_TIMEOUT
+
+
+def body_timeout_answer(limits: ClientLimits) -> bytes:
+    """The same for a body (the embedded path answers it through its handler: the same message)."""
+    return _raw_response("408 Request Timeout", _body_late(limits))
+
+
 class _Throttled:
     """A log line for a repeated event, at most once per interval, with the count."""
 
@@ -138,8 +153,7 @@ class GuardedServer(web.Server):
     def _body_expired(self, request: web.BaseRequest) -> None:
         content = request.content
         if not content.is_eof():
-            content.set_exception(BodyTimeout(f"request body not received within "
-                                              f"{self.limits.body_timeout_s:g} s"))
+            content.set_exception(BodyTimeout(_body_late(self.limits)))
             self.cut("body", request.remote)
 
     def cut(self, part: str, peer: Any) -> None:

@@ -26,10 +26,11 @@ _FORWARDING = frozenset({"x-forwarded-for", "forwarded", "x-forwarded-proto", "x
                          "x-real-ip"})
 # Host is the instance's (aiohttp sets it from the URL); Expect was answered by
 # us (we hold the whole body before connecting); Content-Length is recomputed.
-_REQ_DROP_UNTRUSTED = HOP_BY_HOP | _FORWARDING | {"host", "expect", "content-length"}
+# The compiled front (front/compiled.py) drops the same names: these are its tables too.
+UNTRUSTED_REQUEST_DROP = HOP_BY_HOP | _FORWARDING | {"host", "expect", "content-length"}
 _REQ_DROP_TRUSTED = HOP_BY_HOP | {"x-forwarded-for", "host", "expect", "content-length"}
-_RESP_DROP = HOP_BY_HOP
-_RESP_DROP_LENGTH = HOP_BY_HOP | {"content-length"}
+RESPONSE_DROP = HOP_BY_HOP
+_RESPONSE_DROP_LENGTH = HOP_BY_HOP | {"content-length"}
 
 
 def connection_tokens(headers: MultiMapping[str]) -> frozenset[str]:
@@ -87,7 +88,7 @@ class TrustedPeers:
 def upstream_request_headers(headers: MultiMapping[str], peer: str | None, trusted: bool,
                              scheme: str = "http") -> CIMultiDict[str]:
     """Headers to send to the instance for a request that arrived with `headers` from `peer`."""
-    out = _filter(headers, _REQ_DROP_TRUSTED if trusted else _REQ_DROP_UNTRUSTED)
+    out = _filter(headers, _REQ_DROP_TRUSTED if trusted else UNTRUSTED_REQUEST_DROP)
     peer = peer or "unknown"
     prior = headers.getall("X-Forwarded-For", ()) if trusted else ()
     out["X-Forwarded-For"] = ", ".join((*prior, peer)) if prior else peer
@@ -109,5 +110,5 @@ def client_response_headers(headers: MultiMapping[str] | CIMultiDictProxy[str],
     which RFC 9112 says overrides it).
     """
     if keep_length and "Transfer-Encoding" not in headers:
-        return _filter(headers, _RESP_DROP)
-    return _filter(headers, _RESP_DROP_LENGTH)
+        return _filter(headers, RESPONSE_DROP)
+    return _filter(headers, _RESPONSE_DROP_LENGTH)

@@ -1,25 +1,37 @@
-/* A compiled front for one data-plane worker: a measurement of issue 22's plan, not a product path.
+/* The compiled front of a data-plane worker (issue 22): the hot native routes relayed in C.
  *
- *     _compiled_front.serve(listen_fd, ports, decide=None, release=None)   (bench/_compiled_front.py)
+ *     start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, ...) -> epoll fd
+ *     poll(rounds=1), sweep(), stats()          (orchestrator/dataplane/front/compiled.py)
+ *     serve(listen_fd, ports, ...)               (the same, on its own blocking loop: bench/_compiled_front.py)
  *
  * One thread, one epoll, edge-triggered: it accepts HTTP/1.1 clients on `listen_fd`, reads a
- * request whole (head + Content-Length body), picks an instance, sends the request's bytes as
- * they came over a pooled keep-alive connection to 127.0.0.1:ports[i], and relays the answer's
- * bytes to the client as they arrive (no buffering: each read is written), following its framing
- * (Content-Length or chunked) to know where it ends, so both connections are kept for the next
- * request. What it asks: how much of NGINX's per-request cost a relay in C reaches, with the
- * decision in C (`decide=None`: least requests in flight, ties in turn, as NGINX's least_conn)
- * and with the product's Python policy called once per request (`decide(body) -> index or -1`,
- * `release(index)` when the answer ended or was cut): bench/README.md, "A compiled front".
+ * request whole (head + Content-Length body), picks an instance (`decide(body) -> index or -1`,
+ * `release(index)` when the answer ended or was cut; without them least requests in flight in C,
+ * ties in turn), sends the request over a pooled keep-alive connection to 127.0.0.1:ports[i], and
+ * relays the answer's bytes to the client as they arrive (each read is written), following its
+ * framing (Content-Length or chunked) to know where it ends, so both connections are kept.
  *
- * With `handoff` (start() only), a request whose path is not a hot native route (/v2/models/...
- * ending in one of `hot_suffixes`) is not the front's: its connection and the bytes read so far go to
- * `handoff(fd, bytes)`, the worker's aiohttp side (bench/_compiled_front.py feeds them to it).
+ * What it keeps of the product's rules, each given by the Python side from its one definition:
+ * - which requests are its own (`handoff`): a POST over HTTP/1.1 to /v2/models/... ending in one of
+ *   `hot_suffixes`, with a Content-Length body of at most `max_body`, without Expect or
+ *   Transfer-Encoding, from a peer `trusted(peer)` does not name. Every other request's connection
+ *   goes with the bytes read so far to `handoff(fd, bytes)`, the worker's aiohttp side, which answers
+ *   it and every edge case (413, 400, 100-continue, chunked bodies, trusted forwarding headers) as
+ *   the embedded proxy always has;
+ * - header hygiene (`request_drop`, `response_drop`: headers.py's tables): the hop-by-hop headers and
+ *   those Connection names are dropped both ways; the instance gets Host, Content-Length and
+ *   X-Forwarded-For/-Proto/-Host rebuilt from the socket; the client gets a Date, and an SSE or
+ *   unframed answer X-Accel-Buffering: no and Cache-Control: no-cache where the instance set none;
+ * - slow clients cut (`limits`: client_guard.py's): a request head must be whole `head` seconds after
+ *   the connect or its first byte (else `head_answer`, 408, and close), its body `body` seconds after
+ *   the head (else `body_answer`), and a kept connection waits `keepalive` seconds for the next one.
+ *   Deadlines are checked every SWEEP_MS by poll(), or by sweep() on a timer of the loop's.
  *
- * Left out, as in bench/_min_relay.py: limits, deadlines, the admin surface, hold, header hygiene,
- * metrics, chunked request bodies (answered 411), gRPC and the OpenAI routes. A connect that
- * fails is tried on the next instance (the C decision) or answered 502 (a Python decision); a
- * pooled connection the instance closed before answering is retried once on a new one.
+ * Not here yet (the embedded path does them; issue 22's plan): the surface's classification in the
+ * decision, hold, retries on 503 and a full queue, passive ejection, abort_instance, drain at stop,
+ * the connection cap, and the request, TTFT and event metrics. A connect that fails is tried on the
+ * next instance (the C decision) or answered 502 (a Python decision); a pooled connection the
+ * instance closed before answering is retried once on a new one.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,16 +45,23 @@
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_INST 64
-#define MAX_REQUEST (1 << 20)
+#define MAX_REQUEST (1 << 20) /* head + body the front buffers; a larger request is handed off */
 #define HEAD_MAX 8192
+#define CLIENT_HEAD_MAX (HEAD_MAX + 512) /* the instance's head, filtered, plus what the front adds */
 #define RELAY_BUF 65536
+#define SWEEP_MS 100
+#define MAX_DROP 32
+#define MAX_TOKENS 16
 
 enum kind { K_LISTEN, K_CLIENT, K_UP };
 enum up_state { U_IDLE, U_CONNECTING, U_SENDING, U_HEAD, U_BODY };
 enum chunk_state { C_SIZE, C_EXT, C_DATA, C_DATA_END, C_TRAILER_START, C_TRAILER_LINE, C_DONE };
+/* What a client connection waits for, and so which deadline applies. */
+enum phase { P_HEAD, P_BODY, P_BUSY, P_IDLE };
 
 typedef struct up up_t;
 
@@ -51,6 +70,7 @@ typedef struct client {
     char *in;
     size_t in_len, in_cap;
     size_t req_len;  /* the request in flight: in[0, req_len) */
+    size_t head_len; /* its head's */
     int busy;        /* a request in flight */
     int close_after; /* Connection: close, or an answer framed by the end of its connection */
     int resp_done;   /* the answer ended; its last bytes wait in `out` */
@@ -58,6 +78,15 @@ typedef struct client {
     size_t out_len, out_off, out_cap;
     up_t *up;
     int tries;
+    int phase;
+    long long deadline_ms; /* of the phase; 0: none */
+    int trust_checked;
+    char peer[64];
+    /* The request as the instance gets it (with hygiene): fwd[0, fwd_base) is the head without
+     * Host and the blank line, built once; each attempt appends its instance's Host and the body. */
+    char *fwd;
+    size_t fwd_len, fwd_base, fwd_cap;
+    struct client *prev, *next; /* every open client, for the sweep */
 } client_t;
 
 struct up {
@@ -68,6 +97,8 @@ struct up {
     size_t send_off;
     char head[HEAD_MAX];
     size_t head_len;
+    char chead[CLIENT_HEAD_MAX]; /* the head the client gets */
+    size_t chead_len;
     int chunked, cstate, keep, until_close;
     long long remain;
     up_t *next_idle;
@@ -76,17 +107,28 @@ struct up {
 static int ep = -1;
 static int n_inst;
 static struct sockaddr_in addrs[MAX_INST];
+static char host_line[MAX_INST][48];
 static int inflight[MAX_INST];
 static unsigned long long last_pick[MAX_INST], picks;
 static up_t *idle[MAX_INST];
 static PyObject *decide_cb, *release_cb, *inst_objs[MAX_INST];
 static int decide_head;  /* decide(head, body) instead of decide(body): the product's rules read the head */
-/* Requests the front does not serve go to `handoff_cb(fd, bytes_read)` with their connection: those
- * whose path (before any '?') is not /v2/models/<...><a hot suffix>, where suffixes are given. */
-static PyObject *handoff_cb;
+/* Requests the front does not serve go to `handoff_cb(fd, bytes_read)` with their connection (see
+ * the top of this file for which). */
+static PyObject *handoff_cb, *trusted_cb;
 static char hot[8][32];
 static size_t hot_len[8];
 static int n_hot;
+static size_t body_max = MAX_REQUEST;
+/* Header hygiene: lower-case names dropped each way; hygiene is off (bytes as they came) without. */
+static char req_drop[MAX_DROP][32], resp_drop[MAX_DROP][32];
+static int n_req_drop, n_resp_drop, hygiene;
+/* Slow clients: deadlines in ms (0: none), and what a cut client is answered. */
+static long long head_ms, body_ms, keepalive_ms;
+static PyObject *head_answer, *body_answer;
+static long long now_ms, last_sweep_ms;
+static client_t *clients; /* every open client */
+static unsigned long long cut_head, cut_body, closed_idle;
 static char relay_buf[RELAY_BUF];
 /* Closed this turn of the loop: freed after it, as a later event of the same batch may name them. */
 static void **dead;
@@ -101,6 +143,19 @@ static void client_close(client_t *c);
 static void try_request(client_t *c);
 static void up_readable(up_t *u);
 static void start_upstream(client_t *c, int inst);
+static void hand_off(client_t *c);
+
+static long long clock_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void set_phase(client_t *c, int phase) {
+    long long span = phase == P_HEAD ? head_ms : phase == P_BODY ? body_ms : phase == P_IDLE ? keepalive_ms : 0;
+    c->phase = phase;
+    c->deadline_ms = span ? now_ms + span : 0;
+}
 
 static void bury(void *p) {
     if (n_dead == dead_cap) {
@@ -220,7 +275,9 @@ static void request_done(client_t *c) {
     c->busy = c->resp_done = 0;
     c->up = NULL;
     c->tries = 0;
+    c->fwd_len = c->fwd_base = 0;
     if (c->close_after) { client_close(c); return; }
+    set_phase(c, rest ? P_HEAD : P_IDLE);
     if (rest) try_request(c);  /* pipelined */
 }
 
@@ -278,8 +335,10 @@ static void up_failed(up_t *u) {
 /* --- the instance's side ------------------------------------------------------------------- */
 static void up_send(up_t *u) {
     client_t *c = u->cl;
-    while (u->send_off < c->req_len) {
-        ssize_t w = write(u->fd, c->in + u->send_off, c->req_len - u->send_off);
+    const char *req = hygiene ? c->fwd : c->in;
+    size_t total = hygiene ? c->fwd_len : c->req_len;
+    while (u->send_off < total) {
+        ssize_t w = write(u->fd, req + u->send_off, total - u->send_off);
         if (w < 0) {
             if (errno == EAGAIN) return;
             up_failed(u);
@@ -294,7 +353,19 @@ static void up_send(up_t *u) {
     }
 }
 
+static int fwd_put(client_t *c, const char *p, size_t n);
+
 static void start_upstream(client_t *c, int inst) {
+    if (hygiene) {  /* this attempt's request: the head built once, its instance's Host, the body */
+        c->fwd_len = c->fwd_base;
+        if (fwd_put(c, host_line[inst], strlen(host_line[inst])) < 0 || fwd_put(c, "\r\n", 2) < 0 ||
+            fwd_put(c, c->in + c->head_len, c->req_len - c->head_len) < 0) {
+            released(inst);
+            answer(c, R502, sizeof R502 - 1);
+            if (c->fd >= 0) request_done(c);
+            return;
+        }
+    }
     up_t *u = idle[inst];
     if (u != NULL) {
         idle[inst] = u->next_idle;
@@ -390,39 +461,77 @@ static size_t body_feed(up_t *u, const char *p, size_t n) {
     return i;
 }
 
-static int header_is(const char *line, size_t len, const char *name) {
+typedef struct {
+    const char *name, *value, *line;
+    size_t name_len, value_len, line_len;
+} hline_t;
+static int next_header(const char **p, const char *end, hline_t *h);
+static int name_in(const char *name, size_t len, const void *names, int n);
+typedef struct {
+    char names[MAX_TOKENS][32];
+    int n, close, overflow;
+} tokens_t;
+static void tokens_add(tokens_t *t, const char *v, size_t len);
+
+static int is_name(const hline_t *h, const char *name) {
     size_t n = strlen(name);
-    return len > n && line[n] == ':' && strncasecmp(line, name, n) == 0;
+    return h->name_len == n && strncasecmp(h->name, name, n) == 0;
 }
 
-static const char *header_value(const char *line, size_t len, size_t *vlen, const char *name) {
-    const char *v = line + strlen(name) + 1, *end = line + len;
-    while (v < end && (*v == ' ' || *v == '\t')) v++;
-    while (end > v && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\r')) end--;
-    *vlen = (size_t)(end - v);
-    return v;
+/* `Date:` as RFC 9110 wants it, formatted once a second (response_head.py's _date_line). */
+static size_t date_line(char *out, size_t n) {
+    static time_t at;
+    static char line[64];
+    static size_t len;
+    time_t now = time(NULL);
+    if (now != at) {
+        struct tm tm;
+        gmtime_r(&now, &tm);
+        len = strftime(line, sizeof line, "Date: %a, %d %b %Y %H:%M:%S GMT\r\n", &tm);
+        at = now;
+    }
+    if (len > n) return 0;
+    memcpy(out, line, len);
+    return len;
 }
 
-/* The answer's head is whole in u->head[0, len): its framing. */
-static void parse_answer_head(up_t *u, size_t len) {
-    int status = 0;
+static int chead_put(up_t *u, const char *p, size_t n) {
+    if (u->chead_len + n > sizeof u->chead) return -1;
+    memcpy(u->chead + u->chead_len, p, n);
+    u->chead_len += n;
+    return 0;
+}
+
+/* The answer's head is whole in u->head[0, len): its framing, and (with hygiene) the head the client
+ * gets in u->chead: the instance's without the hop-by-hop headers, as the embedded path's
+ * client_response_headers and response_head build it. -1: a head the front cannot relay. */
+static int parse_answer_head(up_t *u, size_t len) {
+    int status = 0, has_length = 0, has_te = 0, has_date = 0, has_cc = 0, has_xab = 0, sse = 0, r;
+    tokens_t conn;
+    hline_t h;
+    memset(&conn, 0, sizeof conn);
     if (len > 12) status = atoi(u->head + 9);
-    int has_length = 0;
-    const char *p = memchr(u->head, '\n', len) + 1, *end = u->head + len;
-    while (p < end) {
-        const char *eol = memchr(p, '\n', (size_t)(end - p));
-        size_t l = (size_t)(eol - p), vl;
-        if (header_is(p, l, "content-length")) {
-            u->remain = atoll(header_value(p, l, &vl, "content-length"));
+    const char *first = memchr(u->head, '\n', len) + 1, *end = u->head + len, *p = first;
+    while ((r = next_header(&p, end, &h)) != 0) {
+        if (r < 0) return -1;
+        if (is_name(&h, "content-length")) {
+            u->remain = atoll(h.value);
             has_length = 1;
-        } else if (header_is(p, l, "transfer-encoding")) {
-            const char *v = header_value(p, l, &vl, "transfer-encoding");
-            u->chunked = vl >= 7 && strncasecmp(v + vl - 7, "chunked", 7) == 0;
-        } else if (header_is(p, l, "connection")) {
-            const char *v = header_value(p, l, &vl, "connection");
-            if (vl == 5 && strncasecmp(v, "close", 5) == 0) u->keep = 0;
+        } else if (is_name(&h, "transfer-encoding")) {
+            has_te = 1;
+            u->chunked = h.value_len >= 7 && strncasecmp(h.value + h.value_len - 7, "chunked", 7) == 0;
+        } else if (is_name(&h, "connection")) {
+            tokens_add(&conn, h.value, h.value_len);
+            if (conn.close) u->keep = 0;
+        } else if (is_name(&h, "date")) {
+            has_date = 1;
+        } else if (is_name(&h, "cache-control")) {
+            has_cc = 1;
+        } else if (is_name(&h, "x-accel-buffering")) {
+            has_xab = 1;
+        } else if (is_name(&h, "content-type")) {
+            sse = h.value_len >= 17 && strncasecmp(h.value, "text/event-stream", 17) == 0;
         }
-        p = eol + 1;
     }
     if (status == 204 || status == 304 || (status >= 100 && status < 200)) {
         u->chunked = 0;
@@ -438,6 +547,23 @@ static void parse_answer_head(up_t *u, size_t len) {
         u->keep = 0;
         u->cl->close_after = 1;
     }
+    if (!hygiene) return 0;
+    char date[64];
+    size_t dl = has_date ? 0 : date_line(date, sizeof date);
+    u->chead_len = 0;
+    if (chead_put(u, u->head, (size_t)(first - u->head)) < 0 || chead_put(u, date, dl) < 0) return -1;
+    for (p = first; next_header(&p, end, &h) > 0;) {
+        if (name_in(h.name, h.name_len, resp_drop, n_resp_drop) || name_in(h.name, h.name_len, conn.names, conn.n) ||
+            (has_te && is_name(&h, "content-length")))
+            continue;
+        if (chead_put(u, h.line, h.line_len) < 0) return -1;
+    }
+    if ((u->chunked && chead_put(u, "Transfer-Encoding: chunked\r\n", 28) < 0) ||
+        ((sse || !has_length) && ((!has_xab && chead_put(u, "X-Accel-Buffering: no\r\n", 23) < 0) ||
+                                  (!has_cc && chead_put(u, "Cache-Control: no-cache\r\n", 25) < 0))) ||
+        (u->cl->close_after && chead_put(u, "Connection: close\r\n", 19) < 0) || chead_put(u, "\r\n", 2) < 0)
+        return -1;
+    return 0;
 }
 
 static void up_eof(up_t *u) {
@@ -477,13 +603,13 @@ static void up_readable(up_t *u) {
             u->head_len += take;
             char *end = memmem(u->head, u->head_len, "\r\n\r\n", 4);
             if (end == NULL) {
-                if (u->head_len == HEAD_MAX) { up_eof(u); return; }
+                if (u->head_len == HEAD_MAX) { up_failed(u); return; }
                 continue;
             }
             size_t hl = (size_t)(end - u->head) + 4;
-            parse_answer_head(u, hl);
+            if (parse_answer_head(u, hl) < 0) { up_failed(u); return; }  /* nothing reached the client */
             u->state = U_BODY;
-            iov[cnt++] = (struct iovec){u->head, hl};
+            iov[cnt++] = hygiene ? (struct iovec){u->chead, u->chead_len} : (struct iovec){u->head, hl};
             off = hl - before;  /* the body's first byte in relay_buf */
         }
         size_t body = body_feed(u, relay_buf + off, (size_t)n - off);
@@ -526,6 +652,23 @@ static void up_event(up_t *u, unsigned events) {
 }
 
 /* --- the client's side --------------------------------------------------------------------- */
+static void client_unlink(client_t *c) {
+    if (c->prev) c->prev->next = c->next;
+    else clients = c->next;
+    if (c->next) c->next->prev = c->prev;
+    c->prev = c->next = NULL;
+}
+
+static void client_free(client_t *c) {
+    client_unlink(c);
+    c->fd = -1;
+    free(c->in);
+    free(c->out);
+    free(c->fwd);
+    c->in = c->out = c->fwd = NULL;
+    bury(c);
+}
+
 static void client_close(client_t *c) {
     if (c->fd < 0) return;
     if (c->up != NULL) {  /* gone mid-request: the instance's connection cannot be kept */
@@ -535,11 +678,7 @@ static void client_close(client_t *c) {
         released(inst);
     }
     close(c->fd);
-    c->fd = -1;
-    free(c->in);
-    free(c->out);
-    c->in = c->out = NULL;
-    bury(c);
+    client_free(c);
 }
 
 static int is_hot(const char *head, size_t head_len) {
@@ -564,53 +703,194 @@ static void hand_off(client_t *c) {
         close(c->fd);
     }
     Py_XDECREF(r);
-    c->fd = -1;
-    free(c->in);
-    free(c->out);
-    c->in = c->out = NULL;
-    bury(c);
+    client_free(c);
+}
+
+/* One header line of a head (hline_t): its name, its value trimmed, and the line as it came. */
+/* The next header line from *p (the head ends at `end`, past its blank line): 1, 0 at the blank line,
+ * -1 for a line the front does not take (no colon, a space before it, a folded line). */
+static int next_header(const char **p, const char *end, hline_t *h) {
+    const char *line = *p;
+    const char *eol = memchr(line, '\n', (size_t)(end - line));
+    if (eol == NULL) return 0;
+    *p = eol + 1;
+    size_t l = (size_t)(eol - line);
+    if (l && line[l - 1] == '\r') l--;
+    if (l == 0) return 0;
+    if (line[0] == ' ' || line[0] == '\t') return -1;
+    const char *colon = memchr(line, ':', l);
+    if (colon == NULL || colon == line || colon[-1] == ' ' || colon[-1] == '\t') return -1;
+    const char *v = colon + 1, *vend = line + l;
+    while (v < vend && (*v == ' ' || *v == '\t')) v++;
+    while (vend > v && (vend[-1] == ' ' || vend[-1] == '\t')) vend--;
+    *h = (hline_t){line, v, line, (size_t)(colon - line), (size_t)(vend - v), (size_t)(eol + 1 - line)};
+    return 1;
+}
+
+static int name_in(const char *name, size_t len, const void *names, int n) {
+    const char (*table)[32] = names;
+    for (int i = 0; i < n; i++)
+        if (strlen(table[i]) == len && strncasecmp(name, table[i], len) == 0) return 1;
+    return 0;
+}
+
+/* The names a Connection header lists (tokens_t; RFC 9110 7.6.1: those are hop-by-hop too). */
+static void tokens_add(tokens_t *t, const char *v, size_t len) {
+    size_t i = 0;
+    while (i < len) {
+        while (i < len && (v[i] == ',' || v[i] == ' ' || v[i] == '\t')) i++;
+        size_t s = i;
+        while (i < len && v[i] != ',') i++;
+        size_t e = i;
+        while (e > s && (v[e - 1] == ' ' || v[e - 1] == '\t')) e--;
+        if (e == s) continue;
+        if (e - s == 5 && strncasecmp(v + s, "close", 5) == 0) t->close = 1;
+        if (t->n == MAX_TOKENS || e - s >= 32) { t->overflow = 1; continue; }
+        memcpy(t->names[t->n], v + s, e - s);
+        t->names[t->n][e - s] = 0;
+        t->n++;
+    }
+}
+
+/* What the front reads of a request's head. */
+typedef struct {
+    int post, http11, bad, chunked, expect;
+    long long clen; /* -1: none */
+    const char *host;
+    size_t host_len;
+    tokens_t conn;
+} request_t;
+
+static void parse_request(const char *head, size_t head_len, request_t *rq) {
+    memset(rq, 0, sizeof *rq);
+    rq->clen = -1;
+    const char *end = head + head_len, *eol = memchr(head, '\n', head_len);
+    size_t l = (size_t)(eol - head);
+    if (l && head[l - 1] == '\r') l--;
+    rq->post = l > 5 && memcmp(head, "POST ", 5) == 0;
+    rq->http11 = l > 9 && memcmp(head + l - 9, " HTTP/1.1", 9) == 0;
+    const char *p = eol + 1;
+    hline_t h;
+    int r;
+    while ((r = next_header(&p, end, &h)) != 0) {
+        if (r < 0) { rq->bad = 1; return; }
+        if (h.name_len == 14 && strncasecmp(h.name, "content-length", 14) == 0) {
+            long long v = 0;
+            if (rq->clen >= 0 || h.value_len == 0 || h.value_len > 15) { rq->bad = 1; return; }
+            for (size_t i = 0; i < h.value_len; i++) {
+                if (h.value[i] < '0' || h.value[i] > '9') { rq->bad = 1; return; }
+                v = v * 10 + (h.value[i] - '0');
+            }
+            rq->clen = v;
+        } else if (h.name_len == 17 && strncasecmp(h.name, "transfer-encoding", 17) == 0) {
+            rq->chunked = 1;
+        } else if (h.name_len == 6 && strncasecmp(h.name, "expect", 6) == 0) {
+            rq->expect = 1;
+        } else if (h.name_len == 10 && strncasecmp(h.name, "connection", 10) == 0) {
+            tokens_add(&rq->conn, h.value, h.value_len);
+        } else if (h.name_len == 4 && strncasecmp(h.name, "host", 4) == 0) {
+            rq->host = h.value;
+            rq->host_len = h.value_len;
+        }
+    }
+}
+
+static int fwd_put(client_t *c, const char *p, size_t n) {
+    if (c->fwd_len + n > c->fwd_cap) {
+        size_t cap = c->fwd_cap ? c->fwd_cap : 4096;
+        while (cap < c->fwd_len + n) cap *= 2;
+        char *f = realloc(c->fwd, cap);
+        if (f == NULL) return -1;
+        c->fwd = f;
+        c->fwd_cap = cap;
+    }
+    memcpy(c->fwd + c->fwd_len, p, n);
+    c->fwd_len += n;
+    return 0;
+}
+
+/* The head the instance gets, without Host and the blank line (start_upstream adds them with the
+ * body): the request line as it came, the headers but those dropped, the forwarding headers rebuilt
+ * from the socket (headers.upstream_request_headers, for a peer that is not a trusted proxy). */
+static int forward_head(client_t *c, size_t head_len, const request_t *rq) {
+    const char *end = c->in + head_len, *eol = memchr(c->in, '\n', head_len), *p = eol + 1;
+    char line[256];
+    hline_t h;
+    c->fwd_len = 0;
+    if (fwd_put(c, c->in, (size_t)(p - c->in)) < 0) return -1;
+    while (next_header(&p, end, &h) > 0) {
+        if (name_in(h.name, h.name_len, req_drop, n_req_drop) ||
+            name_in(h.name, h.name_len, rq->conn.names, rq->conn.n))
+            continue;
+        if (fwd_put(c, h.line, h.line_len) < 0) return -1;
+    }
+    int n = snprintf(line, sizeof line, "X-Forwarded-For: %s\r\nX-Forwarded-Proto: http\r\nContent-Length: %lld\r\n",
+                     c->peer, rq->clen);
+    if (fwd_put(c, line, (size_t)n) < 0) return -1;
+    if (rq->host_len && (fwd_put(c, "X-Forwarded-Host: ", 18) < 0 || fwd_put(c, rq->host, rq->host_len) < 0 ||
+                         fwd_put(c, "\r\n", 2) < 0))
+        return -1;
+    c->fwd_base = c->fwd_len;
+    return 0;
+}
+
+/* Whether the front serves this request itself (see the top of this file); else it is handed off. */
+static int front_serves(client_t *c, size_t head_len, const request_t *rq) {
+    if (!rq->post || !rq->http11 || rq->bad || rq->chunked || rq->expect || rq->clen < 0 ||
+        (size_t)rq->clen > body_max || rq->conn.overflow || !is_hot(c->in, head_len))
+        return 0;
+    if (trusted_cb != NULL && !c->trust_checked) {  /* its forwarding headers are kept: aiohttp's rules */
+        PyObject *r = PyObject_CallFunction(trusted_cb, "s", c->peer);
+        int t = r ? PyObject_IsTrue(r) : 1;
+        Py_XDECREF(r);
+        if (PyErr_Occurred()) PyErr_Print();
+        if (t) return 0;
+        c->trust_checked = 1;
+    }
+    return 1;
 }
 
 static void try_request(client_t *c) {
     char *end = memmem(c->in, c->in_len, "\r\n\r\n", 4);
     if (end == NULL) {
         if (c->in_len > HEAD_MAX) {
+            if (handoff_cb != NULL) { hand_off(c); return; }  /* aiohttp answers an oversized head */
             answer(c, R413, sizeof R413 - 1);
             client_close(c);
         }
         return;
     }
     size_t head_len = (size_t)(end - c->in) + 4;
-    if (handoff_cb != NULL && !is_hot(c->in, head_len)) {
+    request_t rq;
+    parse_request(c->in, head_len, &rq);
+    if (handoff_cb != NULL && !front_serves(c, head_len, &rq)) {
         hand_off(c);
         return;
     }
-    long long clen = 0;
-    const char *p = memchr(c->in, '\n', head_len) + 1, *hend = c->in + head_len;
-    c->close_after = 0;
-    while (p < hend) {
-        const char *eol = memchr(p, '\n', (size_t)(hend - p));
-        size_t l = (size_t)(eol - p), vl;
-        if (header_is(p, l, "content-length")) {
-            clen = atoll(header_value(p, l, &vl, "content-length"));
-        } else if (header_is(p, l, "transfer-encoding")) {
-            answer(c, R411, sizeof R411 - 1);
-            client_close(c);
-            return;
-        } else if (header_is(p, l, "connection")) {
-            const char *v = header_value(p, l, &vl, "connection");
-            if (vl == 5 && strncasecmp(v, "close", 5) == 0) c->close_after = 1;
-        }
-        p = eol + 1;
+    if (rq.chunked) {
+        answer(c, R411, sizeof R411 - 1);
+        client_close(c);
+        return;
     }
-    if (clen < 0 || head_len + (size_t)clen > MAX_REQUEST) {
+    long long clen = rq.clen < 0 ? 0 : rq.clen;
+    if (rq.bad || head_len + (size_t)clen > MAX_REQUEST) {
         answer(c, R413, sizeof R413 - 1);
         client_close(c);
         return;
     }
-    if (c->in_len < head_len + (size_t)clen) return;  /* the body is still coming */
+    c->close_after = rq.conn.close;
+    if (c->in_len < head_len + (size_t)clen) {  /* the body is still coming */
+        if (c->phase != P_BODY) set_phase(c, P_BODY);
+        return;
+    }
     c->req_len = head_len + (size_t)clen;
+    c->head_len = head_len;
     c->busy = 1;
+    set_phase(c, P_BUSY);
+    if (hygiene && forward_head(c, head_len, &rq) < 0) {
+        client_close(c);
+        return;
+    }
     int inst = decide(c, head_len, -1);
     if (inst < 0) {
         answer(c, R503, sizeof R503 - 1);
@@ -635,6 +915,7 @@ static void client_readable(client_t *c) {
         if (n == 0 || (n < 0 && errno != EAGAIN)) { client_close(c); return; }
         if (n < 0) break;
         c->in_len += (size_t)n;
+        if (c->phase == P_IDLE) set_phase(c, P_HEAD);  /* the next request began: its head's deadline */
         if ((size_t)n < room) break;
     }
     if (!c->busy) try_request(c);
@@ -664,6 +945,20 @@ static void client_event(client_t *c, unsigned events) {
     if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) client_readable(c);
 }
 
+/* The client's address as X-Forwarded-For names it ("unknown" where the socket does not say). */
+static void peer_name(int fd, char *out, size_t n) {
+    struct sockaddr_storage sa;
+    socklen_t l = sizeof sa;
+    const char *r = NULL;
+    if (getpeername(fd, (struct sockaddr *)&sa, &l) == 0) {
+        if (sa.ss_family == AF_INET)
+            r = inet_ntop(AF_INET, &((struct sockaddr_in *)&sa)->sin_addr, out, (socklen_t)n);
+        else if (sa.ss_family == AF_INET6)
+            r = inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&sa)->sin6_addr, out, (socklen_t)n);
+    }
+    if (r == NULL) snprintf(out, n, "unknown");
+}
+
 static void accept_all(int lfd) {
     for (;;) {
         int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -674,6 +969,11 @@ static void accept_all(int lfd) {
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         c->kind = K_CLIENT;
         c->fd = fd;
+        peer_name(fd, c->peer, sizeof c->peer);
+        c->next = clients;
+        if (clients) clients->prev = c;
+        clients = c;
+        set_phase(c, P_HEAD);
         watch(fd, c, EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET);
     }
 }
@@ -681,16 +981,58 @@ static void accept_all(int lfd) {
 /* --- the module ------------------------------------------------------------------------------ */
 static int listen_fd = -1;
 
-/* The arguments of start() and serve(): the instances, the callbacks, the epoll set. */
+/* A sequence of lower-case header names (bytes) into `table`; its length, or -1 with an exception. */
+static int names_into(PyObject *names, char table[][32], const char *what) {
+    if (names == Py_None) return 0;
+    PyObject *seq = PySequence_Fast(names, what);
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *b;
+        Py_ssize_t l;
+        if (i >= MAX_DROP || PyBytes_AsStringAndSize(PySequence_Fast_GET_ITEM(seq, i), &b, &l) < 0 || l >= 32) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: %d names of 31 bytes at most", what, MAX_DROP);
+            return -1;
+        }
+        memcpy(table[i], b, (size_t)l);
+        table[i][l] = 0;
+    }
+    Py_DECREF(seq);
+    return (int)n;
+}
+
+/* The arguments of start() and serve(): the instances, the callbacks, the rules, the epoll set. */
 static PyObject *setup(PyObject *args, PyObject *kw) {
     static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", "decide_head",
-                            NULL};
+                            "max_body", "request_drop", "response_drop", "limits", "head_answer", "body_answer",
+                            "trusted", NULL};
     int lfd;
-    PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None;
+    long long mb = MAX_REQUEST;
+    double lim[3] = {0, 0, 0};
+    PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None, *rqd = Py_None,
+             *rsd = Py_None, *limits = Py_None, *ha = Py_None, *ba = Py_None, *tr = Py_None;
     if (ep >= 0) return PyErr_Format(PyExc_RuntimeError, "one front per process: started already");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOp", names, &lfd, &ports, &dec, &rel, &hand, &suffixes,
-                                     &decide_head))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOpLOOOSSO", names, &lfd, &ports, &dec, &rel, &hand, &suffixes,
+                                     &decide_head, &mb, &rqd, &rsd, &limits, &ha, &ba, &tr))
         return NULL;
+    if (limits != Py_None && !PyArg_ParseTuple(limits, "ddd", &lim[0], &lim[1], &lim[2]))
+        return NULL;
+    head_ms = (long long)(lim[0] * 1000);
+    body_ms = (long long)(lim[1] * 1000);
+    keepalive_ms = (long long)(lim[2] * 1000);
+    if (mb < 0) return PyErr_Format(PyExc_ValueError, "max_body: %lld", mb);
+    body_max = (size_t)mb < MAX_REQUEST - HEAD_MAX ? (size_t)mb : MAX_REQUEST - HEAD_MAX;
+    if ((n_req_drop = names_into(rqd, req_drop, "request_drop")) < 0 ||
+        (n_resp_drop = names_into(rsd, resp_drop, "response_drop")) < 0)
+        return NULL;
+    hygiene = rqd != Py_None && rsd != Py_None;
+    Py_XINCREF(ha == Py_None ? NULL : ha);
+    Py_XINCREF(ba == Py_None ? NULL : ba);
+    head_answer = ha == Py_None ? NULL : ha;
+    body_answer = ba == Py_None ? NULL : ba;
+    Py_XINCREF(tr == Py_None ? NULL : tr);
+    trusted_cb = tr == Py_None ? NULL : tr;
     if (hand != Py_None) {
         PyObject *sfx = PySequence_Fast(suffixes, "hot_suffixes: a sequence of bytes");
         if (sfx == NULL) return NULL;
@@ -724,6 +1066,7 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
         }
         addrs[i] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
                                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        snprintf(host_line[i], sizeof host_line[i], "Host: 127.0.0.1:%ld\r\n", port);
         inst_objs[i] = PyLong_FromLong(i);
     }
     Py_DECREF(seq);
@@ -734,15 +1077,38 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
     ep = epoll_create1(EPOLL_CLOEXEC);
     if (ep < 0) return PyErr_SetFromErrno(PyExc_OSError);
     listen_fd = lfd;
+    now_ms = last_sweep_ms = clock_ms();
     static int listener[2] = {K_LISTEN, 0};
     watch(lfd, listener, EPOLLIN);
     Py_RETURN_NONE;
+}
+
+/* Slow clients cut: a head or a body past its deadline is answered (client_guard.py's 408s) and its
+ * connection closed; a kept connection idle past its keep-alive is closed. */
+static void sweep_clients(void) {
+    client_t *c = clients;
+    last_sweep_ms = now_ms;
+    while (c != NULL) {
+        client_t *next = c->next;  /* closing unlinks `c` */
+        if (c->deadline_ms && now_ms >= c->deadline_ms) {
+            PyObject *msg = c->phase == P_HEAD ? head_answer : c->phase == P_BODY ? body_answer : NULL;
+            unsigned long long *count = c->phase == P_HEAD ? &cut_head : c->phase == P_BODY ? &cut_body : &closed_idle;
+            ++*count;
+            if (msg != NULL) {
+                struct iovec iov = {PyBytes_AS_STRING(msg), (size_t)PyBytes_GET_SIZE(msg)};
+                (void)to_client(c, &iov, 1);  /* best effort: the connection closes either way */
+            }
+            client_close(c);
+        }
+        c = next;
+    }
 }
 
 /* One batch of ready events (waiting up to `timeout_ms`); their count, or -1 with errno. */
 static int run_batch(int timeout_ms) {
     struct epoll_event evs[512];
     int n = epoll_wait(ep, evs, 512, timeout_ms);
+    now_ms = clock_ms();
     for (int i = 0; i < n; i++) {
         int *obj = evs[i].data.ptr;  /* kind, then fd: -1 once closed this turn */
         if (obj[0] == K_LISTEN) accept_all(listen_fd);
@@ -750,6 +1116,7 @@ static int run_batch(int timeout_ms) {
         else if (obj[0] == K_CLIENT) client_event((client_t *)obj, evs[i].events);
         else up_event((up_t *)obj, evs[i].events);
     }
+    if (now_ms - last_sweep_ms >= SWEEP_MS) sweep_clients();
     for (size_t i = 0; i < n_dead; i++) free(dead[i]);
     n_dead = 0;
     return n;
@@ -760,7 +1127,7 @@ static PyObject *serve(PyObject *self, PyObject *args, PyObject *kw) {
     if (r == NULL) return NULL;
     Py_DECREF(r);
     for (;;) {
-        if (run_batch(500) < 0 && errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
+        if (run_batch(SWEEP_MS) < 0 && errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
         if (PyErr_CheckSignals() < 0) return NULL;
     }
 }
@@ -789,7 +1156,19 @@ static PyObject *poll_ready(PyObject *self, PyObject *args) {
     return PyLong_FromLong(total);
 }
 
-/* What tests look at: per instance, requests in flight and kept idle connections. */
+/* sweep(): the deadlines checked now (a loop-driven front calls it on a timer: poll() runs only
+ * when events come, and a silent client brings none). */
+static PyObject *sweep(PyObject *self, PyObject *unused) {
+    if (ep < 0) return PyErr_Format(PyExc_RuntimeError, "start() first");
+    now_ms = clock_ms();
+    sweep_clients();
+    for (size_t i = 0; i < n_dead; i++) free(dead[i]);
+    n_dead = 0;
+    Py_RETURN_NONE;
+}
+
+/* What tests and the worker's log look at: per instance, requests in flight and kept idle
+ * connections; the clients cut for a slow head or body, and kept ones closed idle. */
 static PyObject *stats(PyObject *self, PyObject *unused) {
     PyObject *fl = PyList_New(n_inst), *kept = PyList_New(n_inst);
     if (fl == NULL || kept == NULL) { Py_XDECREF(fl); Py_XDECREF(kept); return NULL; }
@@ -799,19 +1178,22 @@ static PyObject *stats(PyObject *self, PyObject *unused) {
         PyList_SET_ITEM(fl, i, PyLong_FromLong(inflight[i]));
         PyList_SET_ITEM(kept, i, PyLong_FromLong(k));
     }
-    return Py_BuildValue("{sNsN}", "inflight", fl, "kept", kept);
+    return Py_BuildValue("{sNsNsKsKsK}", "inflight", fl, "kept", kept, "cut_head", cut_head, "cut_body", cut_body,
+                         "closed_idle", closed_idle);
 }
 
 static PyMethodDef methods[] = {
     {"serve", (PyCFunction)(void (*)(void))serve, METH_VARARGS | METH_KEYWORDS,
      "serve(listen_fd, ports, decide=None, release=None): relay until a signal's handler raises"},
     {"start", (PyCFunction)(void (*)(void))start, METH_VARARGS | METH_KEYWORDS,
-     "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, decide_head=False) -> "
-     "the epoll fd to watch; then poll()"},
+     "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, decide_head=False, "
+     "max_body=1M, request_drop=None, response_drop=None, limits=None, head_answer=None, body_answer=None, "
+     "trusted=None) -> the epoll fd to watch; then poll(), and sweep() on a timer"},
     {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
+    {"sweep", sweep, METH_NOARGS, "sweep(): cut the clients past their deadlines now"},
     {"stats", stats, METH_NOARGS, "stats() -> {'inflight': [...], 'kept': [...]} per instance"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_compiled_front", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_front", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__compiled_front(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__front(void) { return PyModule_Create(&module); }

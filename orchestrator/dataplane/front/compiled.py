@@ -1,0 +1,112 @@
+"""The compiled front's rules, from the product's one definitions, and its hand-off to aiohttp.
+
+State: the C module (_front.c) owns its connections, kept instance connections and per-instance
+counts, in the worker process that started it (one front per process). Python owns the rules it is
+given here and every connection it hands off.
+
+`NATIVE` is the module, or None where it was not built (setup.py builds it where a C compiler is)
+or where TRTLLM_ORCH_PURE_PYTHON=1 leaves it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator import native
+from orchestrator.dataplane.client_guard import ClientLimits, body_timeout_answer, head_timeout_answer
+from orchestrator.dataplane.headers import RESPONSE_DROP, UNTRUSTED_REQUEST_DROP, TrustedPeers
+
+NATIVE = native.load("orchestrator.dataplane.front._front")
+
+# The native routes the front serves itself (POST /v2/models/...<suffix>): the generations. Every
+# other request's connection is handed to aiohttp, which applies the surface's rules to it.
+HOT_SUFFIXES = (b"/generate", b"/generate_stream", b"/infer")
+# How often a loop-driven front checks its clients' deadlines when no event wakes it.
+SWEEP_S = 0.1
+
+
+def rules(limits: ClientLimits, keepalive_s: float, max_body: int,
+          trusted: TrustedPeers | None = None) -> dict[str, Any]:
+    """start()'s keyword arguments for the product's rules: which requests are the front's, the
+    header tables, the deadlines and the answers of a cut."""
+    return {"hot_suffixes": HOT_SUFFIXES, "max_body": max_body,
+            "request_drop": sorted(n.encode() for n in UNTRUSTED_REQUEST_DROP),
+            "response_drop": sorted(n.encode() for n in RESPONSE_DROP),
+            "limits": (limits.header_timeout_s, limits.body_timeout_s, keepalive_s),
+            "head_answer": head_timeout_answer(), "body_answer": body_timeout_answer(limits),
+            # a trusted proxy's forwarding headers are kept: its connections are aiohttp's
+            "trusted": trusted.__contains__ if trusted else None}
+
+
+class _Primed(asyncio.Protocol):
+    """aiohttp's protocol for a connection the front handed over: fed the bytes the front had read
+    before anything the socket brings next, so a pipelined request cannot overtake them."""
+
+    def __init__(self, inner: asyncio.Protocol, first: bytes) -> None:
+        self.inner = inner
+        self.first = first
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        self.inner.data_received(self.first)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class HandOff:
+    """handoff(fd, bytes) for start(): the connection becomes a transport of the loop's, served by
+    `factory`'s protocol (an aiohttp server) with the bytes the front read first. Owns the short
+    tasks that make the transports."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, factory: Callable[[], asyncio.Protocol]) -> None:
+        self._loop = loop
+        self._factory = factory
+        self._tasks: set[asyncio.Task[Any]] = set()  # the loop keeps weak references to tasks only
+
+    def __call__(self, fd: int, first: bytes) -> None:
+        conn = socket.socket(fileno=fd)
+        task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: _Primed(self._factory(), first),
+                                                                          conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wrapped(self) -> None:
+        """Wait for the transports being made (at a stop)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+
+def drive(loop: asyncio.AbstractEventLoop, epfd: int, rounds: int) -> Callable[[], None]:
+    """Run a started front on `loop`: poll() when its epoll fd is readable (up to `rounds` batches per
+    wakeup), sweep() every SWEEP_S. Returns what stops it."""
+    loop.add_reader(epfd, NATIVE.poll, rounds)
+    timer: list[asyncio.TimerHandle] = []
+
+    def tick() -> None:
+        NATIVE.sweep()
+        timer[:] = [loop.call_later(SWEEP_S, tick)]
+
+    tick()
+
+    def stop() -> None:
+        loop.remove_reader(epfd)
+        for t in timer:
+            t.cancel()
+
+    return stop
