@@ -78,10 +78,9 @@ def main() -> int:
         if args.loop != "c":
             limits = tuple(float(x) for x in args.limits.split(",")) if args.handoff else None
             asyncio.run(_driven(front, sock, ports, decide, release, args.ready, limits,
-                                rounds=16 if args.loop == "asyncio-drain" else 1,
-                                decide_head=args.decide == "python-full"))
+                                rounds=16 if args.loop == "asyncio-drain" else 1))
         else:
-            front.serve(sock.fileno(), ports, decide, release, decide_head=args.decide == "python-full")
+            front.serve(sock.fileno(), ports, decide, release)
     except KeyboardInterrupt:
         pass
     return 0
@@ -102,32 +101,34 @@ async def _aiohttp_side() -> Any:
 
 
 def _route_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[Any, Any, Any]:
-    """(the Decider, decide(body) -> instance index or -1, release(index)): the product's route as
-    the split's deciders take it, the count acquired by decide and released by release."""
+    """(the Decider, decide(head, body) -> (instance index, index) or None, release(index, status,
+    outcome)): the product's route as the split's deciders take it, the count acquired by decide
+    and released by release (the front's API, front/_front.c)."""
     from bench._route_decider import Decider
     decider = Decider(state, slot, ports, policy)
     ids = [b.instance_id for b in decider.backends]
     index = {iid: i for i, iid in enumerate(ids)}
 
-    def decide(body: bytes) -> int:
+    def decide(head: bytes, body: bytes) -> tuple[int, int] | None:
         iid = decider.route(body)
-        return -1 if iid is None else index[iid]
+        if iid is None:
+            return None
+        i = index[iid]
+        return i, i
 
-    def release(i: int) -> None:
+    def release(i: int, status: int, outcome: int) -> None:
         decider.balancer.release(ids[i])
 
     return decider, decide, release
 
 
 def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[Any, Any]:
-    """decide(head, body) and release(i) doing, besides the route, the other Python the embedded
+    """decide(head, body) and release(ctx, status, outcome) doing, besides the route, the other Python the embedded
     path runs per request (its cost, not its effect: the front still sends the request's bytes as
     they came): the head parsed into headers, the instance's request headers, the routing and
     in-flight metrics and the generation's timer at the request; the count, the client's response
     headers and head, the timer's event and end at the answer's end. Left out: the per-read SSE
     count (`SseCounter`), which would run per event, not per request."""
-    from collections import deque
-
     import httptools
     from multidict import CIMultiDict
 
@@ -139,7 +140,6 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
     balancer = decider.balancer
     metrics = ProxyMetrics()
     ids = [b.instance_id for b in decider.backends]
-    open_requests: list[deque] = [deque() for _ in ids]  # (timer, gauge) per request, per instance
     answer_headers = CIMultiDict({"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"})
 
     class _Head:
@@ -149,12 +149,13 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
         def on_header(self, name: bytes, value: bytes) -> None:
             self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
 
-    def decide(head: bytes, body: bytes) -> int:
+    def decide(head: bytes, body: bytes) -> tuple[int, tuple[int, Any, Any]] | None:
         parsed = _Head()
         httptools.HttpRequestParser(parsed).feed_data(head)
-        i = route(body)
-        if i < 0:
-            return -1
+        routed = route(head, body)
+        if routed is None:
+            return None
+        i = routed[0]
         iid = ids[i]
         timer = metrics.timer("generate_stream")
         metrics.routed(balancer.policy, balancer.last_reason, iid)
@@ -164,13 +165,12 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
         gauge.inc()
         up = upstream_request_headers(parsed.headers, "127.0.0.1", False)
         b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in up.items())  # the head to send
-        open_requests[i].append((timer, gauge))
-        return i
+        return i, (i, timer, gauge)
 
-    def release(i: int) -> None:
-        unroute(i)
+    def release(ctx: tuple[int, Any, Any], status: int, outcome: int) -> None:
+        i, timer, gauge = ctx
+        unroute(i, status, outcome)
         iid = ids[i]
-        timer, gauge = open_requests[i].popleft()
         gauge.dec()
         metrics.count(iid, 200)
         response_head(200, "OK", client_response_headers(answer_headers, keep_length=False), version=(1, 1),
@@ -182,8 +182,7 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
 
 
 async def _driven(front: ModuleType, sock: socket.socket, ports: list[int], decide: Any, release: Any,
-                  ready: Path | None, limits: tuple[float, ...] | None = None, rounds: int = 1,
-                  decide_head: bool = False) -> None:
+                  ready: Path | None, limits: tuple[float, ...] | None = None, rounds: int = 1) -> None:
     """The front on an asyncio loop (uvloop where installed), as a data-plane worker would run it
     beside its other routes (front/compiled.py's `drive`), so the policy runs on the loop's thread
     with the rest of the worker's state. With `limits` (head, body, keep-alive seconds), the
@@ -197,7 +196,7 @@ async def _driven(front: ModuleType, sock: socket.socket, ports: list[int], deci
         runner = await _aiohttp_side()
         kw = {"handoff": HandOff(loop, runner.server),
               **rules(ClientLimits(limits[0], limits[1], 1 << 20), limits[2], 1 << 20)}
-    drive(loop, front.start(sock.fileno(), ports, decide, release, decide_head=decide_head, **kw), rounds)
+    drive(loop, front.start(sock.fileno(), ports, decide, release, **kw), rounds)
     if ready is not None:
         ready.write_text("listening\n")
     await asyncio.Event().wait()

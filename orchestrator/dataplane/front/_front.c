@@ -87,6 +87,12 @@ typedef struct client {
     char *fwd;
     size_t fwd_len, fwd_base, fwd_cap;
     struct client *prev, *next; /* every open client, for the sweep */
+    PyObject *ctx; /* the request's, from decide(): handed to retry(), answered() and release() */
+    int status;    /* of the answer the client gets */
+    /* An error answer held back (answered()): its head for the client, then its body. */
+    int peek;
+    char *pk;
+    size_t pk_len, pk_cap, pk_body;
 } client_t;
 
 struct up {
@@ -99,20 +105,24 @@ struct up {
     size_t head_len;
     char chead[CLIENT_HEAD_MAX]; /* the head the client gets */
     size_t chead_len;
-    int chunked, cstate, keep, until_close;
+    int chunked, cstate, keep, until_close, status;
     long long remain;
+    long long deadline_ms; /* connecting, or waiting for the instance's next bytes; 0: none */
     up_t *next_idle;
 };
 
 static int ep = -1;
 static int n_inst;
-static struct sockaddr_in addrs[MAX_INST];
-static char host_line[MAX_INST][48];
+static struct sockaddr_storage addrs[MAX_INST];
+static socklen_t addr_len[MAX_INST];
+static char inst_host[MAX_INST][64];
+static int inst_port[MAX_INST];
+static char host_line[MAX_INST][96];
 static int inflight[MAX_INST];
 static unsigned long long last_pick[MAX_INST], picks;
 static up_t *idle[MAX_INST];
-static PyObject *decide_cb, *release_cb, *inst_objs[MAX_INST];
-static int decide_head;  /* decide(head, body) instead of decide(body): the product's rules read the head */
+/* The Python decision (see the top of this file); without decide_cb, least in flight in C. */
+static PyObject *decide_cb, *release_cb, *retry_cb, *answered_cb;
 /* Requests the front does not serve go to `handoff_cb(fd, bytes_read)` with their connection (see
  * the top of this file for which). */
 static PyObject *handoff_cb, *trusted_cb;
@@ -127,6 +137,8 @@ static int n_req_drop, n_resp_drop, hygiene;
 static long long head_ms, body_ms, keepalive_ms;
 static PyObject *head_answer, *body_answer;
 static long long now_ms, last_sweep_ms;
+static long long connect_ms, idle_ms; /* the instance's: to connect, and between its bytes */
+static int draining;                  /* stopping: no connection is kept after its answer */
 static client_t *clients; /* every open client */
 static unsigned long long cut_head, cut_body, closed_idle;
 static char relay_buf[RELAY_BUF];
@@ -134,12 +146,21 @@ static char relay_buf[RELAY_BUF];
 static void **dead;
 static size_t n_dead, dead_cap;
 
+/* Why an attempt failed before any byte reached the client (retry()'s `reason`, as the embedded
+ * path counts them), and how a request ended (release()'s `outcome`). */
+enum reason { R_REFUSED, R_CONNECT_TIMEOUT, R_DISCONNECTED, R_BAD_RESPONSE, R_HEADER_TIMEOUT, R_ABORTED };
+static const char *reason_names[] = {"connect_refused", "connect_timeout", "disconnected", "bad_response",
+                                     "header_timeout", "aborted"};
+enum outcome { O_DONE, O_CLIENT_GONE, O_CUT, O_IDLE, O_FAILED };
+#define PEEK_MAX 65536 /* an error answer up to this size is held back and shown to answered() */
+
 static const char R502[] = "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n";
 static const char R503[] = "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n";
 static const char R411[] = "HTTP/1.1 411 Length Required\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 static const char R413[] = "HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
 static void client_close(client_t *c);
+static void client_close_as(client_t *c, int outcome);
 static void try_request(client_t *c);
 static void up_readable(up_t *u);
 static void start_upstream(client_t *c, int inst);
@@ -185,38 +206,54 @@ static int pick_in_c(int skip) {
     return best;
 }
 
-static int decide(client_t *c, size_t head_len, int skip) {
-    int inst;
-    if (decide_cb == NULL) {
-        inst = pick_in_c(skip);
-    } else {
-        if (skip >= 0) return -1;  /* the Python policy retries nothing here */
-        PyObject *body = PyBytes_FromStringAndSize(c->in + head_len, (Py_ssize_t)(c->req_len - head_len));
-        PyObject *r;
-        if (body != NULL && decide_head)
-            r = PyObject_CallFunction(decide_cb, "y#O", c->in, (Py_ssize_t)head_len, body);
-        else
-            r = body ? PyObject_CallOneArg(decide_cb, body) : NULL;
-        Py_XDECREF(body);
-        inst = r ? (int)PyLong_AsLong(r) : -1;
-        Py_XDECREF(r);
-        if (PyErr_Occurred()) { PyErr_Print(); inst = -1; }
-        if (inst >= n_inst) inst = -1;
-    }
-    if (inst >= 0) {
-        inflight[inst]++;
-        last_pick[inst] = ++picks;
-    }
-    return inst;
+static void slot_taken(int slot) {
+    inflight[slot]++;
+    last_pick[slot] = ++picks;
 }
 
-static void released(int inst) {
-    inflight[inst]--;
+/* Python's word on where a request goes: (slot, ctx) -> the slot (ctx kept for the request); bytes ->
+ * -2 and the answer to send instead in *answer_out (a new reference); None -> -3 (hand it off);
+ * anything else, or an error -> -1. Takes `r` (a new reference, or NULL with an exception). */
+static int route_reply(client_t *c, PyObject *r, PyObject **answer_out) {
+    int slot = -1;
+    *answer_out = NULL;
+    if (r == NULL) {
+        PyErr_Print();
+        return -1;
+    }
+    if (r == Py_None) {
+        slot = -3;
+    } else if (PyBytes_Check(r) && PyBytes_GET_SIZE(r) > 12) {
+        *answer_out = r;
+        return -2;
+    } else if (PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
+        slot = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
+        if (PyErr_Occurred()) {
+            PyErr_Print();
+            slot = -1;
+        } else if (slot < 0 || slot >= n_inst) {
+            slot = -1;
+        } else {
+            PyObject *ctx = PyTuple_GET_ITEM(r, 1);
+            Py_INCREF(ctx);
+            Py_XSETREF(c->ctx, ctx);
+        }
+    }
+    Py_DECREF(r);
+    return slot;
+}
+
+/* The request is over: release(ctx, status, outcome), once. */
+static void finish(client_t *c, int outcome) {
+    PyObject *ctx = c->ctx;
+    if (ctx == NULL) return;
+    c->ctx = NULL;
     if (release_cb != NULL) {
-        PyObject *r = PyObject_CallOneArg(release_cb, inst_objs[inst]);
+        PyObject *r = PyObject_CallFunction(release_cb, "Oii", ctx, c->status, outcome);
         if (r == NULL) PyErr_Print();
         Py_XDECREF(r);
     }
+    Py_DECREF(ctx);
 }
 
 /* --- writing to the client ---------------------------------------------------------------- */
@@ -276,7 +313,7 @@ static void request_done(client_t *c) {
     c->up = NULL;
     c->tries = 0;
     c->fwd_len = c->fwd_base = 0;
-    if (c->close_after) { client_close(c); return; }
+    if (c->close_after || draining) { client_close(c); return; }
     set_phase(c, rest ? P_HEAD : P_IDLE);
     if (rest) try_request(c);  /* pipelined */
 }
@@ -287,10 +324,11 @@ static void up_close(up_t *u) {
     bury(u);
 }
 
-static void answer_ended(up_t *u) {
-    client_t *c = u->cl;
+/* The instance's connection after its answer ended: kept for the next request, or closed. */
+static void up_detach(up_t *u) {
     int inst = u->inst;
     u->cl = NULL;
+    u->deadline_ms = 0;
     if (u->keep && !u->until_close) {
         u->state = U_IDLE;
         u->reused = 1;
@@ -299,22 +337,62 @@ static void answer_ended(up_t *u) {
     } else {
         up_close(u);
     }
-    released(inst);
-    c->up = NULL;
-    if (c->out_len > c->out_off) c->resp_done = 1;  /* ends when the last bytes are written */
+}
+
+/* The client's answer is written, or waits in `out` (then it ends when that is written). */
+static void answer_sent(client_t *c) {
+    finish(c, O_DONE);
+    if (c->out_len > c->out_off) c->resp_done = 1;
     else request_done(c);
 }
 
-static void idle_remove(up_t *u) {
-    for (up_t **p = &idle[u->inst]; *p; p = &(*p)->next_idle)
-        if (*p == u) { *p = u->next_idle; return; }
+static void answer_ended(up_t *u) {
+    client_t *c = u->cl;
+    inflight[u->inst]--;
+    up_detach(u);
+    c->up = NULL;
+    answer_sent(c);
 }
 
-/* The instance failed this request before answering: another instance (C decision), or 502. */
-static void up_failed(up_t *u) {
+/* An answer Python gave instead of the instance's (bytes from decide(), retry() or answered()). */
+static void give_up(client_t *c, PyObject *ans) {
+    c->status = atoi(PyBytes_AS_STRING(ans) + 9);
+    answer(c, PyBytes_AS_STRING(ans), (size_t)PyBytes_GET_SIZE(ans));
+    finish(c, O_FAILED);
+    if (c->fd >= 0) request_done(c);
+    Py_DECREF(ans);
+}
+
+static void fail_request(client_t *c) {
+    c->status = 502;
+    answer(c, R502, sizeof R502 - 1);
+    finish(c, O_FAILED);
+    if (c->fd >= 0) request_done(c);
+}
+
+/* Where to go after an attempt that reached no client byte: retry()'s answer (Python decision), the
+ * next instance (C decision), or 502. */
+static void next_attempt(client_t *c, int failed, int reason) {
+    int next = -1;
+    if (retry_cb != NULL) {
+        PyObject *ans;
+        next = route_reply(c, PyObject_CallFunction(retry_cb, "Os", c->ctx ? c->ctx : Py_None, reason_names[reason]),
+                           &ans);
+        if (next == -2) { give_up(c, ans); return; }
+    } else if (decide_cb == NULL && c->tries < 3) {
+        c->tries++;
+        next = pick_in_c(failed);
+    }
+    if (next < 0) { fail_request(c); return; }
+    slot_taken(next);
+    start_upstream(c, next);
+}
+
+/* The instance failed this request before any byte of its answer reached the client. */
+static void up_failed(up_t *u, int reason) {
     client_t *c = u->cl;
     int inst = u->inst;
-    int stale = u->reused && !u->got_bytes;
+    int stale = reason == R_DISCONNECTED && u->reused && !u->got_bytes;
     up_close(u);
     c->up = NULL;
     if (stale && c->tries < 3) {  /* a kept connection the instance had closed: once more */
@@ -322,14 +400,52 @@ static void up_failed(up_t *u) {
         start_upstream(c, inst);
         return;
     }
-    released(inst);
-    if (decide_cb == NULL && c->tries < 3) {
-        c->tries++;
-        int next = decide(c, 0, inst);
-        if (next >= 0) { start_upstream(c, next); return; }
+    inflight[inst]--;
+    next_attempt(c, inst, reason);
+}
+
+/* An error answer held back has ended: answered(ctx, status, body) says whether another instance
+ * tries the request (a 503, a full queue: nothing reached the client), else it is relayed. */
+static void peek_done(up_t *u) {
+    client_t *c = u->cl;
+    int status = u->status;
+    inflight[u->inst]--;
+    up_detach(u);
+    c->up = NULL;
+    c->peek = 0;
+    PyObject *ans;
+    int next = route_reply(c, PyObject_CallFunction(answered_cb, "Oiy#", c->ctx ? c->ctx : Py_None, status,
+                                                    c->pk + c->pk_body, (Py_ssize_t)(c->pk_len - c->pk_body)),
+                           &ans);
+    if (next == -2) { give_up(c, ans); return; }
+    if (next >= 0) {
+        slot_taken(next);
+        start_upstream(c, next);
+        return;
     }
-    answer(c, R502, sizeof R502 - 1);
-    if (c->fd >= 0) request_done(c);
+    struct iovec iov = {c->pk, c->pk_len};
+    c->pk_len = 0;
+    if (to_client(c, &iov, 1) < 0) { client_close(c); return; }
+    answer_sent(c);
+}
+
+static int pk_put(client_t *c, const char *p, size_t n) {
+    if (c->pk_len + n > c->pk_cap) {
+        size_t cap = c->pk_cap ? c->pk_cap : 4096;
+        while (cap < c->pk_len + n) cap *= 2;
+        char *k = realloc(c->pk, cap);
+        if (k == NULL) return -1;
+        c->pk = k;
+        c->pk_cap = cap;
+    }
+    memcpy(c->pk + c->pk_len, p, n);
+    c->pk_len += n;
+    return 0;
+}
+
+static void idle_remove(up_t *u) {
+    for (up_t **p = &idle[u->inst]; *p; p = &(*p)->next_idle)
+        if (*p == u) { *p = u->next_idle; return; }
 }
 
 /* --- the instance's side ------------------------------------------------------------------- */
@@ -341,12 +457,13 @@ static void up_send(up_t *u) {
         ssize_t w = write(u->fd, req + u->send_off, total - u->send_off);
         if (w < 0) {
             if (errno == EAGAIN) return;
-            up_failed(u);
+            up_failed(u, R_DISCONNECTED);
             return;
         }
         u->send_off += (size_t)w;
     }
     u->state = U_HEAD;
+    u->deadline_ms = idle_ms ? now_ms + idle_ms : 0;  /* for the answer's head */
     if (u->readable_pending) {
         u->readable_pending = 0;
         up_readable(u);
@@ -360,24 +477,24 @@ static void start_upstream(client_t *c, int inst) {
         c->fwd_len = c->fwd_base;
         if (fwd_put(c, host_line[inst], strlen(host_line[inst])) < 0 || fwd_put(c, "\r\n", 2) < 0 ||
             fwd_put(c, c->in + c->head_len, c->req_len - c->head_len) < 0) {
-            released(inst);
-            answer(c, R502, sizeof R502 - 1);
-            if (c->fd >= 0) request_done(c);
+            inflight[inst]--;
+            fail_request(c);
             return;
         }
     }
+    c->peek = 0;
+    c->pk_len = 0;
     up_t *u = idle[inst];
     if (u != NULL) {
         idle[inst] = u->next_idle;
     } else {
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        int fd = socket(addrs[inst].ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         u = calloc(1, sizeof *u);
         if (fd < 0 || u == NULL) {
             if (fd >= 0) close(fd);
             free(u);
-            released(inst);
-            answer(c, R502, sizeof R502 - 1);
-            if (c->fd >= 0) request_done(c);
+            inflight[inst]--;
+            fail_request(c);
             return;
         }
         int one = 1;
@@ -385,13 +502,14 @@ static void start_upstream(client_t *c, int inst) {
         u->kind = K_UP;
         u->fd = fd;
         u->inst = inst;
-        int r = connect(fd, (struct sockaddr *)&addrs[inst], sizeof addrs[inst]);
+        int r = connect(fd, (struct sockaddr *)&addrs[inst], addr_len[inst]);
         u->state = (r == 0) ? U_SENDING : U_CONNECTING;
+        u->deadline_ms = connect_ms ? now_ms + connect_ms : 0;
         watch(fd, u, EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET);
         if (r < 0 && errno != EINPROGRESS) {
             u->cl = c;
             c->up = u;
-            up_failed(u);
+            up_failed(u, R_REFUSED);
             return;
         }
     }
@@ -400,7 +518,7 @@ static void start_upstream(client_t *c, int inst) {
     u->send_off = 0;
     u->head_len = 0;
     u->got_bytes = u->readable_pending = 0;
-    u->chunked = u->until_close = 0;
+    u->chunked = u->until_close = u->status = 0;
     u->keep = 1;
     u->remain = 0;
     u->cstate = C_SIZE;
@@ -511,6 +629,7 @@ static int parse_answer_head(up_t *u, size_t len) {
     hline_t h;
     memset(&conn, 0, sizeof conn);
     if (len > 12) status = atoi(u->head + 9);
+    u->status = u->cl->status = status;
     const char *first = memchr(u->head, '\n', len) + 1, *end = u->head + len, *p = first;
     while ((r = next_header(&p, end, &h)) != 0) {
         if (r < 0) return -1;
@@ -570,11 +689,11 @@ static void up_eof(up_t *u) {
     client_t *c = u->cl;
     if (u->state == U_BODY && u->until_close) {
         u->keep = 0;
-        answer_ended(u);
-    } else if (!u->got_bytes) {
-        up_failed(u);
-    } else {  /* cut mid-answer: the client's answer is cut too (client_close drops `u`) */
-        client_close(c);
+        c->peek ? peek_done(u) : answer_ended(u);
+    } else if (!u->got_bytes || c->peek) {  /* nothing reached the client yet */
+        up_failed(u, R_DISCONNECTED);
+    } else {  /* cut mid-answer: the client's answer is cut too (client_close_as drops `u`) */
+        client_close_as(c, O_CUT);
     }
 }
 
@@ -593,6 +712,7 @@ static void up_readable(up_t *u) {
             return;
         }
         u->got_bytes = 1;
+        if (idle_ms) u->deadline_ms = now_ms + idle_ms;
         struct iovec iov[2];
         int cnt = 0;
         size_t off = 0;
@@ -603,24 +723,39 @@ static void up_readable(up_t *u) {
             u->head_len += take;
             char *end = memmem(u->head, u->head_len, "\r\n\r\n", 4);
             if (end == NULL) {
-                if (u->head_len == HEAD_MAX) { up_failed(u); return; }
+                if (u->head_len == HEAD_MAX) { up_failed(u, R_BAD_RESPONSE); return; }
                 continue;
             }
             size_t hl = (size_t)(end - u->head) + 4;
-            if (parse_answer_head(u, hl) < 0) { up_failed(u); return; }  /* nothing reached the client */
+            if (parse_answer_head(u, hl) < 0) { up_failed(u, R_BAD_RESPONSE); return; }  /* nothing sent yet */
             u->state = U_BODY;
             iov[cnt++] = hygiene ? (struct iovec){u->chead, u->chead_len} : (struct iovec){u->head, hl};
             off = hl - before;  /* the body's first byte in relay_buf */
+            if (answered_cb != NULL && u->status >= 400) {  /* held back: answered() may retry it */
+                c->peek = 1;
+                c->pk_len = 0;
+                if (pk_put(c, iov[0].iov_base, iov[0].iov_len) < 0) { client_close(c); return; }
+                c->pk_body = c->pk_len;
+                cnt = 0;
+            }
         }
         size_t body = body_feed(u, relay_buf + off, (size_t)n - off);
         if (off + body < (size_t)n) u->keep = 0;  /* bytes past the answer: not a connection to keep */
-        if (body) iov[cnt++] = (struct iovec){relay_buf + off, body};
+        if (c->peek) {
+            if (pk_put(c, relay_buf + off, body) < 0) { client_close(c); return; }
+            if (c->pk_len - c->pk_body > PEEK_MAX) {  /* too large to be a rejection: relayed as it comes */
+                c->peek = 0;
+                iov[cnt++] = (struct iovec){c->pk, c->pk_len};
+            }
+        } else if (body) {
+            iov[cnt++] = (struct iovec){relay_buf + off, body};
+        }
         if (cnt && to_client(c, iov, cnt) < 0) {
             client_close(c);  /* and `u` with it */
             return;
         }
         if (u->cstate == C_DONE && !u->until_close) {
-            answer_ended(u);
+            c->peek ? peek_done(u) : answer_ended(u);
             return;
         }
         if ((size_t)n < sizeof relay_buf) return;  /* drained (edge-triggered) */
@@ -640,7 +775,7 @@ static void up_event(up_t *u, unsigned events) {
         int err = 0;
         socklen_t l = sizeof err;
         getsockopt(u->fd, SOL_SOCKET, SO_ERROR, &err, &l);
-        if (err) { up_failed(u); return; }
+        if (err) { up_failed(u, R_REFUSED); return; }
         u->state = U_SENDING;
     }
     if (u->state == U_SENDING) {
@@ -665,21 +800,27 @@ static void client_free(client_t *c) {
     free(c->in);
     free(c->out);
     free(c->fwd);
-    c->in = c->out = c->fwd = NULL;
+    free(c->pk);
+    c->in = c->out = c->fwd = c->pk = NULL;
+    Py_CLEAR(c->ctx);
     bury(c);
 }
 
-static void client_close(client_t *c) {
+/* The client's connection closes (`outcome`: why, for release()). */
+static void client_close_as(client_t *c, int outcome) {
     if (c->fd < 0) return;
-    if (c->up != NULL) {  /* gone mid-request: the instance's connection cannot be kept */
+    if (c->up != NULL) {  /* mid-request: the instance's connection cannot be kept */
         up_t *u = c->up;
-        int inst = u->inst;
+        inflight[u->inst]--;
         up_close(u);
-        released(inst);
+        c->up = NULL;
     }
+    finish(c, outcome);
     close(c->fd);
     client_free(c);
 }
+
+static void client_close(client_t *c) { client_close_as(c, O_CLIENT_GONE); }
 
 static int is_hot(const char *head, size_t head_len) {
     const char *path = memchr(head, ' ', head_len);
@@ -878,7 +1019,7 @@ static void try_request(client_t *c) {
         client_close(c);
         return;
     }
-    c->close_after = rq.conn.close;
+    c->close_after = rq.conn.close || draining;
     if (c->in_len < head_len + (size_t)clen) {  /* the body is still coming */
         if (c->phase != P_BODY) set_phase(c, P_BODY);
         return;
@@ -891,13 +1032,25 @@ static void try_request(client_t *c) {
         client_close(c);
         return;
     }
-    int inst = decide(c, head_len, -1);
-    if (inst < 0) {
+    int slot;
+    if (decide_cb != NULL) {
+        PyObject *ans;
+        slot = route_reply(c, PyObject_CallFunction(decide_cb, "y#y#", c->in, (Py_ssize_t)head_len, c->in + head_len,
+                                                    (Py_ssize_t)(c->req_len - head_len)), &ans);
+        if (slot == -2) { give_up(c, ans); return; }
+        if (slot == -3 && handoff_cb != NULL) { hand_off(c); return; }  /* aiohttp's: hold, or not a route of ours */
+    } else {
+        slot = pick_in_c(-1);
+    }
+    if (slot < 0) {
+        c->status = 503;
         answer(c, R503, sizeof R503 - 1);
+        finish(c, O_FAILED);
         if (c->fd >= 0) request_done(c);
         return;
     }
-    start_upstream(c, inst);
+    slot_taken(slot);
+    start_upstream(c, slot);
 }
 
 static void client_readable(client_t *c) {
@@ -959,27 +1112,61 @@ static void peer_name(int fd, char *out, size_t n) {
     if (r == NULL) snprintf(out, n, "unknown");
 }
 
+/* A client's connection becomes the front's: its request head is due within the head deadline. */
+static int client_new(int fd) {
+    client_t *c = calloc(1, sizeof *c);
+    if (c == NULL) return -1;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    c->kind = K_CLIENT;
+    c->fd = fd;
+    peer_name(fd, c->peer, sizeof c->peer);
+    c->next = clients;
+    if (clients) clients->prev = c;
+    clients = c;
+    set_phase(c, P_HEAD);
+    watch(fd, c, EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET);  /* a request already there is read at once */
+    return 0;
+}
+
 static void accept_all(int lfd) {
     for (;;) {
         int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) return;  /* EAGAIN, or an error the next wakeup meets again */
-        client_t *c = calloc(1, sizeof *c);
-        if (c == NULL) { close(fd); continue; }
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        c->kind = K_CLIENT;
-        c->fd = fd;
-        peer_name(fd, c->peer, sizeof c->peer);
-        c->next = clients;
-        if (clients) clients->prev = c;
-        clients = c;
-        set_phase(c, P_HEAD);
-        watch(fd, c, EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET);
+        if (client_new(fd) < 0) close(fd);
     }
 }
 
 /* --- the module ------------------------------------------------------------------------------ */
 static int listen_fd = -1;
+
+/* The slot of the instance at host:port (an IPv4 or IPv6 literal), added on first sight; -1 when
+ * the host is not a literal or the table is full. */
+static int slot_of(const char *host, int port) {
+    for (int i = 0; i < n_inst; i++)
+        if (inst_port[i] == port && strcmp(inst_host[i], host) == 0) return i;
+    if (n_inst == MAX_INST || strlen(host) >= sizeof inst_host[0]) return -1;
+    struct sockaddr_storage *sa = &addrs[n_inst];
+    memset(sa, 0, sizeof *sa);
+    struct sockaddr_in *v4 = (struct sockaddr_in *)sa;
+    struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)sa;
+    if (inet_pton(AF_INET, host, &v4->sin_addr) == 1) {
+        v4->sin_family = AF_INET;
+        v4->sin_port = htons((uint16_t)port);
+        addr_len[n_inst] = sizeof *v4;
+        snprintf(host_line[n_inst], sizeof host_line[0], "Host: %s:%d\r\n", host, port);
+    } else if (inet_pton(AF_INET6, host, &v6->sin6_addr) == 1) {
+        v6->sin6_family = AF_INET6;
+        v6->sin6_port = htons((uint16_t)port);
+        addr_len[n_inst] = sizeof *v6;
+        snprintf(host_line[n_inst], sizeof host_line[0], "Host: [%s]:%d\r\n", host, port);
+    } else {
+        return -1;
+    }
+    strcpy(inst_host[n_inst], host);
+    inst_port[n_inst] = port;
+    return n_inst++;
+}
 
 /* A sequence of lower-case header names (bytes) into `table`; its length, or -1 with an exception. */
 static int names_into(PyObject *names, char table[][32], const char *what) {
@@ -1004,20 +1191,29 @@ static int names_into(PyObject *names, char table[][32], const char *what) {
 
 /* The arguments of start() and serve(): the instances, the callbacks, the rules, the epoll set. */
 static PyObject *setup(PyObject *args, PyObject *kw) {
-    static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", "decide_head",
-                            "max_body", "request_drop", "response_drop", "limits", "head_answer", "body_answer",
-                            "trusted", NULL};
+    static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", "max_body",
+                            "request_drop", "response_drop", "limits", "head_answer", "body_answer", "trusted",
+                            "retry", "answered", "upstream", NULL};
     int lfd;
     long long mb = MAX_REQUEST;
-    double lim[3] = {0, 0, 0};
+    double lim[3] = {0, 0, 0}, ups[2] = {0, 0};
     PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None, *rqd = Py_None,
-             *rsd = Py_None, *limits = Py_None, *ha = Py_None, *ba = Py_None, *tr = Py_None;
+             *rsd = Py_None, *limits = Py_None, *ha = Py_None, *ba = Py_None, *tr = Py_None, *rt = Py_None,
+             *an = Py_None, *upstream = Py_None;
     if (ep >= 0) return PyErr_Format(PyExc_RuntimeError, "one front per process: started already");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOpLOOOSSO", names, &lfd, &ports, &dec, &rel, &hand, &suffixes,
-                                     &decide_head, &mb, &rqd, &rsd, &limits, &ha, &ba, &tr))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOLOOOSSOOOO", names, &lfd, &ports, &dec, &rel, &hand, &suffixes,
+                                     &mb, &rqd, &rsd, &limits, &ha, &ba, &tr, &rt, &an, &upstream))
         return NULL;
     if (limits != Py_None && !PyArg_ParseTuple(limits, "ddd", &lim[0], &lim[1], &lim[2]))
         return NULL;
+    if (upstream != Py_None && !PyArg_ParseTuple(upstream, "dd", &ups[0], &ups[1]))
+        return NULL;
+    connect_ms = (long long)(ups[0] * 1000);
+    idle_ms = (long long)(ups[1] * 1000);
+    Py_XINCREF(rt == Py_None ? NULL : rt);
+    Py_XINCREF(an == Py_None ? NULL : an);
+    retry_cb = rt == Py_None ? NULL : rt;
+    answered_cb = an == Py_None ? NULL : an;
     head_ms = (long long)(lim[0] * 1000);
     body_ms = (long long)(lim[1] * 1000);
     keepalive_ms = (long long)(lim[2] * 1000);
@@ -1053,21 +1249,17 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
     }
     PyObject *seq = PySequence_Fast(ports, "ports: a sequence of ints");
     if (seq == NULL) return NULL;
-    n_inst = (int)PySequence_Fast_GET_SIZE(seq);
-    if (n_inst < 1 || n_inst > MAX_INST) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_INST) {
         Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "ports: 1 to %d instances, got %d", MAX_INST, n_inst);
+        return PyErr_Format(PyExc_ValueError, "ports: %d instances at most, got %zd", MAX_INST, n);
     }
-    for (int i = 0; i < n_inst; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {  /* slots 0..n-1 on 127.0.0.1 (instance() adds more) */
         long port = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (port <= 0 || port > 65535) {
+        if (port <= 0 || port > 65535 || slot_of("127.0.0.1", (int)port) != (int)i) {
             Py_DECREF(seq);
-            return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "ports[%d]: %ld", i, port);
+            return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "ports[%zd]: %ld", i, port);
         }
-        addrs[i] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
-                                         .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-        snprintf(host_line[i], sizeof host_line[i], "Host: 127.0.0.1:%ld\r\n", port);
-        inst_objs[i] = PyLong_FromLong(i);
     }
     Py_DECREF(seq);
     Py_XINCREF(dec == Py_None ? NULL : dec);
@@ -1079,7 +1271,7 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
     listen_fd = lfd;
     now_ms = last_sweep_ms = clock_ms();
     static int listener[2] = {K_LISTEN, 0};
-    watch(lfd, listener, EPOLLIN);
+    if (lfd >= 0) watch(lfd, listener, EPOLLIN);  /* else the worker's acceptor adopt()s connections */
     Py_RETURN_NONE;
 }
 
@@ -1099,9 +1291,20 @@ static void sweep_clients(void) {
                 (void)to_client(c, &iov, 1);  /* best effort: the connection closes either way */
             }
             client_close(c);
+        } else if (c->up != NULL && c->up->deadline_ms && now_ms >= c->up->deadline_ms) {
+            up_t *u = c->up;  /* the instance is silent: connect, head or next bytes overdue */
+            if (u->state == U_CONNECTING) up_failed(u, R_CONNECT_TIMEOUT);
+            else if (u->state != U_BODY) up_failed(u, R_HEADER_TIMEOUT);
+            else if (c->peek) up_failed(u, R_DISCONNECTED);  /* as the embedded path's error peek */
+            else client_close_as(c, O_IDLE);                /* committed: cut, so the client can tell */
         }
         c = next;
     }
+}
+
+static void flush_dead(void) {
+    for (size_t i = 0; i < n_dead; i++) free(dead[i]);
+    n_dead = 0;
 }
 
 /* One batch of ready events (waiting up to `timeout_ms`); their count, or -1 with errno. */
@@ -1162,8 +1365,87 @@ static PyObject *sweep(PyObject *self, PyObject *unused) {
     if (ep < 0) return PyErr_Format(PyExc_RuntimeError, "start() first");
     now_ms = clock_ms();
     sweep_clients();
-    for (size_t i = 0; i < n_dead; i++) free(dead[i]);
-    n_dead = 0;
+    flush_dead();
+    Py_RETURN_NONE;
+}
+
+/* instance(host, port) -> its slot, the number decide() and retry() name it by (-1: the host is not
+ * an IP literal, or 64 instances are known already: the request goes to aiohttp). */
+static PyObject *instance(PyObject *self, PyObject *args) {
+    const char *host;
+    int port;
+    if (!PyArg_ParseTuple(args, "si", &host, &port)) return NULL;
+    if (port <= 0 || port > 65535) return PyErr_Format(PyExc_ValueError, "port: %d", port);
+    return PyLong_FromLong(slot_of(host, port));
+}
+
+/* adopt(fd): a client connection the worker accepted becomes the front's (the fd is the front's to
+ * close from then on). */
+static PyObject *adopt(PyObject *self, PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+    if (ep < 0) return PyErr_Format(PyExc_RuntimeError, "start() first");
+    now_ms = clock_ms();
+    if (client_new(fd) < 0) {
+        close(fd);
+        return PyErr_NoMemory();
+    }
+    Py_RETURN_NONE;
+}
+
+/* abort(slot, answering) -> requests ended: the instance stopped answering (it is out of the ready
+ * set). Those still waiting for its answer go to retry() ("aborted"); with `answering`, the answers
+ * it is streaming are cut too. Its kept connections close. */
+static PyObject *abort_instance(PyObject *self, PyObject *args) {
+    int slot, answering, n = 0;
+    if (!PyArg_ParseTuple(args, "ip", &slot, &answering)) return NULL;
+    if (slot < 0 || slot >= n_inst) return PyErr_Format(PyExc_ValueError, "slot: %d", slot);
+    now_ms = clock_ms();
+    for (client_t *c = clients, *next; c != NULL; c = next) {
+        next = c->next;
+        up_t *u = c->up;
+        if (u == NULL || u->inst != slot) continue;
+        if (u->state != U_BODY || c->peek) {
+            up_failed(u, R_ABORTED);
+            n++;
+        } else if (answering) {
+            client_close_as(c, O_CUT);
+            n++;
+        }
+    }
+    while (idle[slot] != NULL) {
+        up_t *u = idle[slot];
+        idle[slot] = u->next_idle;
+        up_close(u);
+    }
+    flush_dead();
+    return PyLong_FromLong(n);
+}
+
+/* drain(): stopping. Idle kept connections close now; every other closes after its answer, which
+ * says Connection: close where its head is still to come. */
+static PyObject *drain(PyObject *self, PyObject *unused) {
+    draining = 1;
+    for (client_t *c = clients, *next; c != NULL; c = next) {
+        next = c->next;
+        if (c->phase == P_IDLE) client_close(c);
+    }
+    flush_dead();
+    Py_RETURN_NONE;
+}
+
+/* close_all(): the end of a stop's grace. Every client connection closes, its answer cut where one
+ * was on the way (release(): outcome cut), and every kept instance connection. */
+static PyObject *close_all(PyObject *self, PyObject *unused) {
+    while (clients != NULL) client_close_as(clients, O_CUT);
+    for (int i = 0; i < n_inst; i++) {
+        while (idle[i] != NULL) {
+            up_t *u = idle[i];
+            idle[i] = u->next_idle;
+            up_close(u);
+        }
+    }
+    flush_dead();
     Py_RETURN_NONE;
 }
 
@@ -1178,8 +1460,13 @@ static PyObject *stats(PyObject *self, PyObject *unused) {
         PyList_SET_ITEM(fl, i, PyLong_FromLong(inflight[i]));
         PyList_SET_ITEM(kept, i, PyLong_FromLong(k));
     }
-    return Py_BuildValue("{sNsNsKsKsK}", "inflight", fl, "kept", kept, "cut_head", cut_head, "cut_body", cut_body,
-                         "closed_idle", closed_idle);
+    long open = 0, busy = 0;
+    for (client_t *c = clients; c != NULL; c = c->next) {
+        open++;
+        busy += c->busy;
+    }
+    return Py_BuildValue("{sNsNsKsKsKslsl}", "inflight", fl, "kept", kept, "cut_head", cut_head, "cut_body", cut_body,
+                         "closed_idle", closed_idle, "open", open, "busy", busy);
 }
 
 static PyMethodDef methods[] = {
@@ -1191,6 +1478,11 @@ static PyMethodDef methods[] = {
      "trusted=None) -> the epoll fd to watch; then poll(), and sweep() on a timer"},
     {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
     {"sweep", sweep, METH_NOARGS, "sweep(): cut the clients past their deadlines now"},
+    {"instance", instance, METH_VARARGS, "instance(host, port) -> slot (-1: not an IP literal, or full)"},
+    {"adopt", adopt, METH_VARARGS, "adopt(fd): an accepted client connection becomes the front's"},
+    {"abort", abort_instance, METH_VARARGS, "abort(slot, answering) -> requests ended there"},
+    {"drain", drain, METH_NOARGS, "drain(): idle connections close now, the others after their answer"},
+    {"close_all", close_all, METH_NOARGS, "close_all(): every connection closes now"},
     {"stats", stats, METH_NOARGS, "stats() -> {'inflight': [...], 'kept': [...]} per instance"},
     {NULL, NULL, 0, NULL}};
 
