@@ -25,6 +25,7 @@ else:  # Python 3.10 (NVIDIA's Triton containers): the same parser from PyPI
 
 LB_POLICIES = ("least-outstanding", "round-robin", "kv-aware", "prefix-affinity", "cost-model")
 PROXY_MODES = ("embedded", "nginx", "none")
+FRONTS = ("aiohttp", "compiled")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PLACEMENTS = ("topology", "ordered")
 CPU_AFFINITY = ("auto", "off")
@@ -106,6 +107,11 @@ class Settings:
     # least_conn's and raised output tokens/s 1.9x; without sharing it routes by load like
     # least-outstanding (bench/routing_bench.py, bench/README.md).
     lb_policy: str = opt("prefix-affinity", "routing: " + ", ".join(LB_POLICIES), group="proxy")
+    # aiohttp by default: the compiled front (orchestrator/dataplane/front/) lacks inter-token
+    # metrics and --first-byte-timeout-s yet, and is measured against NGINX in bench/README.md.
+    front: str = opt("aiohttp", "what serves the embedded workers' native generate, generate_stream and infer "
+                     "requests: aiohttp, or compiled (a relay in C, experimental; every other request stays "
+                     "aiohttp's)", group="proxy")
     trusted_proxy: tuple[str, ...] = opt((), "peer address whose X-Forwarded-For is kept (repeat)",
                                          group="proxy", repeat=True, metavar="ADDR")
     max_body_bytes: int = opt(64 * 1024 * 1024, "largest request body accepted", group="proxy",
@@ -227,7 +233,8 @@ class Settings:
                 raise UsageError("--bind-interface", self.bind_interface, "not an interface name")
         if self.topology and self.assume_gpus is not None:
             raise UsageError("--topology", self.topology, "use either it or --assume-gpus: both declare the GPUs")
-        for name, allowed in (("proxy", PROXY_MODES), ("lb_policy", LB_POLICIES), ("log_level", LOG_LEVELS),
+        for name, allowed in (("proxy", PROXY_MODES), ("front", FRONTS), ("lb_policy", LB_POLICIES),
+                              ("log_level", LOG_LEVELS),
                               ("placement", PLACEMENTS), ("cpu_affinity", CPU_AFFINITY),
                               ("launcher", LAUNCHERS), ("slurm_mpi", SLURM_MPI), ("openai", OPENAI_MODES)):
             if getattr(self, name) not in allowed:
@@ -291,7 +298,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # What a reload (`trtllm-orch reload`, SIGHUP, `systemctl reload`) does with a changed field.
 # Refused, with nothing changed: the GPU plan, the ports and sockets, the process layout.
 NEEDS_DOWN_UP = ("gpus", "tp", "assume_gpus", "placement", "cpu_affinity", "topology", "base_port",
-                 "bind_address", "bind_interface", "launcher", "state_dir", "proxy", "listen", "grpc_listen",
+                 "bind_address", "bind_interface", "launcher", "state_dir", "proxy", "front", "listen", "grpc_listen",
                  "metrics_listen", "nginx", "detach",
                  # whether /v1/ exists and where the daemon's OpenAI listener is: the proxies' layout
                  "openai", "openai_listen")

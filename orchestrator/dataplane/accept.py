@@ -15,6 +15,10 @@ a worker stops watching the socket for DEFER_S and looks again, so a peer under 
 takes the rest; after DEFER_MAX_S of declining it takes one per look whatever the shares
 say (a peer that counts as under its share may be busy or stuck).
 
+With a compiled front (front/compiled.py, `--front compiled`) the accepted sockets go to it
+(`adopt`) instead, while the connection cap allows: past it the aiohttp server takes the
+connection, which refuses it with its 503.
+
 The listening socket belongs to whoever bound it: the daemon for its workers (it passes the
 same socket to each, and keeps it open while a worker is replaced), or the proxy itself in a
 single process. A site stops accepting on `stop()`; it closes the socket only when it is the
@@ -76,13 +80,14 @@ class _Acceptor:
     and `close()`. Owns the short tasks that wrap each accepted socket in a transport."""
 
     def __init__(self, sock: socket.socket, factory: Any, log: logging.Logger, owned: bool = False,
-                 share: AcceptShare | None = None) -> None:
+                 share: AcceptShare | None = None, front: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._owned = owned
         self._factory = factory
         self._log = log
         self._share = share
+        self._front = front  # takes the connections (adopt) where given
         self._tasks: set[asyncio.Task[Any]] = set()
         self._resume: asyncio.TimerHandle | None = None
         self._declining_since: float | None = None
@@ -102,8 +107,9 @@ class _Acceptor:
 
     def _open(self) -> int:
         # Served by the protocol factory (GuardedServer counts them), plus those accepted
-        # whose transport is not made yet.
-        return getattr(self._factory, "open_connections", 0) + len(self._tasks)
+        # whose transport is not made yet, plus the front's.
+        front = self._front.open_connections if self._front is not None else 0
+        return getattr(self._factory, "open_connections", 0) + len(self._tasks) + front
 
     def _batch(self) -> tuple[int, bool]:
         """How many to accept on this wakeup, and whether to stop watching the socket for
@@ -145,6 +151,9 @@ class _Acceptor:
                 self._pause(exc)
                 return
             conn.setblocking(False)
+            if self._front is not None and self._front_takes():
+                self._front.adopt(conn)
+                continue
             task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
             self._tasks.add(task)
             task.add_done_callback(self._wrapped)
@@ -153,6 +162,10 @@ class _Acceptor:
         if defer:
             self._loop.remove_reader(self._sock.fileno())
             self._resume = self._loop.call_later(DEFER_S, self._look_again)
+
+    def _front_takes(self) -> bool:
+        limits = getattr(self._factory, "limits", None)
+        return limits is None or self._open() < limits.max_connections
 
     def _wrapped(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -200,15 +213,16 @@ class _Acceptor:
 class AcceptingSite(web.BaseSite):
     """aiohttp's SockSite with many accepts per wakeup (see the module's docstring)."""
 
-    __slots__ = ("_sock", "_log", "_owned", "_share")
+    __slots__ = ("_sock", "_log", "_owned", "_share", "_front")
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, log: logging.Logger, *, owned: bool,
-                 share: AcceptShare | None = None) -> None:
+                 share: AcceptShare | None = None, front: Any = None) -> None:
         super().__init__(runner, backlog=LISTEN_BACKLOG)
         self._sock = sock
         self._log = log
         self._owned = owned
         self._share = share
+        self._front = front
 
     @property
     def name(self) -> str:
@@ -222,7 +236,7 @@ class AcceptingSite(web.BaseSite):
         self._sock.listen(LISTEN_BACKLOG)
         server = self._runner.server
         assert server is not None
-        acceptor = _Acceptor(self._sock, server, self._log, self._owned, self._share)
+        acceptor = _Acceptor(self._sock, server, self._log, self._owned, self._share, self._front)
         acceptor.start()
         self._server = acceptor  # type: ignore[assignment]
 

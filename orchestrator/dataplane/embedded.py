@@ -85,11 +85,15 @@ _LLM_ACTIONS = frozenset({"generate", "generate_stream", "infer"})
 _SSE = "text/event-stream"
 
 
+def error_json(message: str) -> str:
+    """The body of an answer the proxy gives itself (here and in the compiled front's)."""
+    # json.dumps is not needed for our own fixed messages; keep quotes escaped anyway.
+    return '{"error": "' + message.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None,
            close: bool = False) -> web.Response:
-    # json.dumps is not needed for our own fixed messages; keep quotes escaped anyway.
-    body = '{"error": "' + message.replace("\\", "\\\\").replace('"', '\\"') + '"}'
-    resp = web.Response(status=status, text=body, content_type=_JSON, headers=headers)
+    resp = web.Response(status=status, text=error_json(message), content_type=_JSON, headers=headers)
     if close:
         resp.force_close()
     return resp
@@ -159,6 +163,7 @@ class EmbeddedProxy:
         self._hold = HoldGate(backends, settings.hold_s, settings.max_held,
                               on_held=self.metrics.watch_held("http", lambda: self._hold.held))
         self._servers: list[GuardedServer] = []
+        self._front: Any = None  # the compiled front (front/compiled.py) where --front compiled
         # The OpenAI API (/v1): translated by the frontend, then sent down this proxy's own
         # forward path. openai_only: the loopback listener NGINX forwards /v1/ to (nginx.py).
         self._openai_only = openai_only
@@ -202,6 +207,8 @@ class EmbeddedProxy:
                                     settings.max_client_connections)
         for server in self._servers:
             server.limits = self._limits
+        if getattr(self, "_front", None) is not None:
+            self._front.configure(settings, self._limits, CLIENT_KEEPALIVE_S)
         if self._openai is not None:
             self._openai.apply_settings(settings)
 
@@ -248,13 +255,28 @@ class EmbeddedProxy:
                 sock = bind_listener(address, flag)
             # Client connections are shared out among the workers; scrapes are not worth it.
             share = self._accept_share if name == "listen" and not owned else None
-            await AcceptingSite(runner, sock, self._log, owned=owned, share=share).start()
+            front = self._start_front(server) if name == "listen" and not owned else None
+            await AcceptingSite(runner, sock, self._log, owned=owned, share=share, front=front).start()
         except BaseException:
             await runner.cleanup()
             if owned and sock is not None:
                 sock.close()
             raise
         return runner
+
+    def _start_front(self, server: GuardedServer) -> Any:
+        """A worker's compiled front for the public listener, where --front compiled and the module
+        is built (else aiohttp serves every request, with a warning)."""
+        if self._settings.front != "compiled" or self._openai_only:
+            return None
+        from orchestrator.dataplane.front.compiled import NATIVE, Front
+        if NATIVE is None:
+            self._log.warning("--front compiled: the compiled front is not built here (no C compiler when "
+                              "setup.py ran); aiohttp serves every request")
+            return None
+        self._front = Front(self, server, self._log)
+        self._front.start(self._settings, self._limits, CLIENT_KEEPALIVE_S)
+        return self._front
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
@@ -268,6 +290,9 @@ class EmbeddedProxy:
                     await site.stop()
                 if runner.server is not None:
                     runner.server.pre_shutdown()
+        # The front's requests end (or are cut) within the same grace as the handlers below: its
+        # stop is awaited before the listeners and the pool close.
+        front_stop = asyncio.ensure_future(self._front.stop(grace_s)) if self._front is not None else None
         # together: each may wait the whole first-request grace
         await asyncio.gather(*(server.settle(min(FIRST_REQUEST_GRACE_S, max(grace_s, 0))) for server in self._servers))
         # 2. let in-flight requests finish, up to the grace.
@@ -285,6 +310,8 @@ class EmbeddedProxy:
                                       now - began, awaiting(t))
                     t.cancel()
                 await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
+        if front_stop is not None:
+            await front_stop
         await self._close_all()
 
     async def _close_all(self) -> None:
@@ -308,6 +335,11 @@ class EmbeddedProxy:
         """The daemon says an instance stopped answering (it is out of the ready set already):
         requests waiting on it are retried on others now, and with `answering` its streams
         are cut, instead of waiting for --idle-timeout-s."""
+        if self._front is not None:
+            ended = self._front.abort(host, port, answering)
+            if ended:
+                self._log.warning("instance %s:%d stopped answering (%s): the front ended %d request(s) there",
+                                  host, port, reason, ended)
         if self._pool is not None:
             failed = self._pool.abort(host, port, reason, answering=answering)
             if failed:
@@ -514,19 +546,15 @@ class EmbeddedProxy:
                     raise _Retryable("first_byte_timeout") from exc
                 self.metrics.observe_latency(iid, loop.time() - t0)
                 status = up.status
-                if status == 503 or (status >= 400 and not self._is_ready(iid)):
-                    # The instance says it cannot serve (503), or it answered with an error
-                    # while leaving rotation (a TP rank died mid-generation: Triton turns the
-                    # model's error into a 400 or 500). That error says nothing about the
-                    # request, and no byte has reached the client: try another instance.
+                refusal = self._refusal(status, iid, None)
+                peeked = None
+                if refusal is None and status >= 400:
+                    # Small error bodies are read to tell a full queue apart (_refusal).
+                    peeked = await self._peek_error(up)
+                    refusal = self._refusal(status, iid, peeked[0] if peeked is not None else None)
+                if refusal is not None:
                     up.close()
-                    raise _Retryable(f"http_{status}", blame=False)
-                # TRT-LLM's queue-full is an INTERNAL error: 500 from the model, 400 through
-                # an ensemble (Triton 2.51). Read small error bodies to tell it apart.
-                peeked = await self._peek_error(up) if status >= 400 else None
-                if peeked is not None and QUEUE_FULL_TEXT in peeked[0]:
-                    up.close()
-                    raise _Retryable("queue_full", blame=False)
+                    raise _Retryable(refusal, blame=False)
                 if call is not None:
                     return await call.relay(request, up, b, peeked, timer)
                 return await self._relay(request, up, b, stream, peeked, timer)
@@ -534,13 +562,7 @@ class EmbeddedProxy:
                 last = f"instance {iid}: {exc.reason}"
                 cause = exc.__cause__  # what the OS said, for the log only (the client sees no address)
                 why = f"{last} ({cause})" if isinstance(cause, (ConnectFailed, ConnectTimeout)) else last
-                self.metrics.failure(iid, exc.reason)
-                if exc.blame:
-                    b.report_failure(exc.reason)
-                if exc.reason != "disconnected":
-                    balancer.connect_failed(iid)  # deprioritise it for a moment
-                if attempt + 1 < self._max_attempts:
-                    self.metrics.retry(iid, exc.reason)
+                self._attempt_failed(b, exc.reason, exc.blame, attempt + 1 < self._max_attempts)
                 self._log.debug("attempt %d for %s failed: %s", attempt + 1, path, last)
             finally:
                 balancer.release(iid)
@@ -553,6 +575,32 @@ class EmbeddedProxy:
 
     def _is_ready(self, iid: str) -> bool:
         return any(b.instance_id == iid for b in self._backends.current())
+
+    def _refusal(self, status: int, iid: str, error_body: bytes | None) -> str | None:
+        """Why the instance's answer is retried on another instance, none of it having reached the
+        client (None: the answer is the client's). The instance says it cannot serve (503), or it
+        answered with an error while leaving rotation (a TP rank died mid-generation: Triton turns
+        the model's error into a 400 or 500), or its queue is full (TRT-LLM's queue-full is an
+        INTERNAL error: 500 from the model, 400 through an ensemble, Triton 2.51; told apart by
+        the start of the error body). Neither says anything about the request. Both paths'
+        rule (this one's _forward, the compiled front's front/path.py)."""
+        if status == 503 or (status >= 400 and not self._is_ready(iid)):
+            return f"http_{status}"
+        if error_body is not None and QUEUE_FULL_TEXT in error_body:
+            return "queue_full"
+        return None
+
+    def _attempt_failed(self, b: Backend, reason: str, blame: bool, retried: bool) -> None:
+        """An attempt that reached no client byte, counted (`blame`: against the instance's passive
+        health; `retried`: another attempt follows). Both paths'."""
+        iid = b.instance_id
+        self.metrics.failure(iid, reason)
+        if blame:
+            b.report_failure(reason)
+        if reason != "disconnected":
+            self._balancer.connect_failed(iid)  # deprioritise it for a moment
+        if retried:
+            self.metrics.retry(iid, reason)
 
     def _upstream_failed(self, b: Backend, reason: str) -> None:
         self.metrics.failure(b.instance_id, reason)

@@ -378,6 +378,16 @@ class TokenTimer:
         count.inc(n)
         recent.events(instance, n, now)
 
+    def later_events(self, instance: str, n: int) -> None:
+        """n events after the first, counted at once without their gaps: the compiled front
+        (front/path.py) reports a stream's events at its end, so it observes no inter-token
+        times."""
+        children = self._children
+        if children is None:
+            children = self._children = self._metrics.llm_children(instance, self.api)
+        children[2].inc(n)
+        self._metrics.recent.events(instance, n, time.monotonic())
+
 
 def _observe_zeros(histogram: Histogram, k: int) -> None:
     """k observations of 0.0 at once (a stream's burst of events: once per event, this was a

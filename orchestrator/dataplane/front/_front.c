@@ -93,6 +93,8 @@ typedef struct client {
     int peek;
     char *pk;
     size_t pk_len, pk_cap, pk_body;
+    long events; /* SSE events relayed in this answer (first() at the first) */
+    int nl;      /* the last data relayed ended in one newline of an event's two */
 } client_t;
 
 struct up {
@@ -105,7 +107,7 @@ struct up {
     size_t head_len;
     char chead[CLIENT_HEAD_MAX]; /* the head the client gets */
     size_t chead_len;
-    int chunked, cstate, keep, until_close, status;
+    int chunked, cstate, keep, until_close, status, sse;
     long long remain;
     long long deadline_ms; /* connecting, or waiting for the instance's next bytes; 0: none */
     up_t *next_idle;
@@ -122,7 +124,7 @@ static int inflight[MAX_INST];
 static unsigned long long last_pick[MAX_INST], picks;
 static up_t *idle[MAX_INST];
 /* The Python decision (see the top of this file); without decide_cb, least in flight in C. */
-static PyObject *decide_cb, *release_cb, *retry_cb, *answered_cb;
+static PyObject *decide_cb, *release_cb, *retry_cb, *answered_cb, *first_cb;
 /* Requests the front does not serve go to `handoff_cb(fd, bytes_read)` with their connection (see
  * the top of this file for which). */
 static PyObject *handoff_cb, *trusted_cb;
@@ -140,7 +142,7 @@ static long long now_ms, last_sweep_ms;
 static long long connect_ms, idle_ms; /* the instance's: to connect, and between its bytes */
 static int draining;                  /* stopping: no connection is kept after its answer */
 static client_t *clients; /* every open client */
-static unsigned long long cut_head, cut_body, closed_idle;
+static unsigned long long cut_head, cut_body, closed_idle, served;
 static char relay_buf[RELAY_BUF];
 /* Closed this turn of the loop: freed after it, as a later event of the same batch may name them. */
 static void **dead;
@@ -248,8 +250,9 @@ static void finish(client_t *c, int outcome) {
     PyObject *ctx = c->ctx;
     if (ctx == NULL) return;
     c->ctx = NULL;
+    served++;
     if (release_cb != NULL) {
-        PyObject *r = PyObject_CallFunction(release_cb, "Oii", ctx, c->status, outcome);
+        PyObject *r = PyObject_CallFunction(release_cb, "Oiil", ctx, c->status, outcome, c->events);
         if (r == NULL) PyErr_Print();
         Py_XDECREF(r);
     }
@@ -484,6 +487,7 @@ static void start_upstream(client_t *c, int inst) {
     }
     c->peek = 0;
     c->pk_len = 0;
+    c->events = c->nl = 0;
     up_t *u = idle[inst];
     if (u != NULL) {
         idle[inst] = u->next_idle;
@@ -526,11 +530,31 @@ static void start_upstream(client_t *c, int inst) {
     if (u->state == U_SENDING) up_send(u);
 }
 
+/* An SSE answer's data as it is relayed: its complete events counted across reads (metrics.py's
+ * SseCounter), first(ctx) called at the first one (the time to first token is taken there). */
+static void sse_feed(client_t *c, const char *p, size_t n) {
+    if (n == 0) return;
+    long k = (c->nl && p[0] == '\n') ? 1 : 0;
+    for (const char *q = p, *end = p + n - 1; q < end && (q = memchr(q, '\n', (size_t)(end - q))) != NULL; q++)
+        if (q[1] == '\n') k++, q++;  /* non-overlapping, as bytes.count */
+    c->nl = p[n - 1] == '\n' && !(n >= 2 && p[n - 2] == '\n');
+    if (k && c->events == 0 && first_cb != NULL && c->ctx != NULL) {
+        PyObject *r = PyObject_CallOneArg(first_cb, c->ctx);
+        if (r == NULL) PyErr_Print();
+        Py_XDECREF(r);
+    }
+    c->events += k;
+}
+
 /* How many of p[0, n) belong to the answer; the state says when it ended. */
 static size_t body_feed(up_t *u, const char *p, size_t n) {
-    if (u->until_close) return n;
+    if (u->until_close) {
+        if (u->sse) sse_feed(u->cl, p, n);
+        return n;
+    }
     if (!u->chunked) {
         size_t take = (long long)n < u->remain ? n : (size_t)u->remain;
+        if (u->sse) sse_feed(u->cl, p, take);
         u->remain -= (long long)take;
         if (u->remain == 0) u->cstate = C_DONE;
         return take;
@@ -557,6 +581,7 @@ static size_t body_feed(up_t *u, const char *p, size_t n) {
             break;
         case C_DATA: {
             size_t take = (long long)(n - i) < u->remain ? n - i : (size_t)u->remain;
+            if (u->sse) sse_feed(u->cl, p + i, take);
             i += take;
             u->remain -= (long long)take;
             if (u->remain == 0) u->cstate = C_DATA_END;
@@ -652,6 +677,7 @@ static int parse_answer_head(up_t *u, size_t len) {
             sse = h.value_len >= 17 && strncasecmp(h.value, "text/event-stream", 17) == 0;
         }
     }
+    u->sse = sse && status >= 200 && status < 300;  /* an error is no generation */
     if (status == 204 || status == 304 || (status >= 100 && status < 200)) {
         u->chunked = 0;
         u->remain = 0;
@@ -1193,16 +1219,16 @@ static int names_into(PyObject *names, char table[][32], const char *what) {
 static PyObject *setup(PyObject *args, PyObject *kw) {
     static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", "max_body",
                             "request_drop", "response_drop", "limits", "head_answer", "body_answer", "trusted",
-                            "retry", "answered", "upstream", NULL};
+                            "retry", "answered", "upstream", "first", NULL};
     int lfd;
     long long mb = MAX_REQUEST;
     double lim[3] = {0, 0, 0}, ups[2] = {0, 0};
     PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None, *rqd = Py_None,
              *rsd = Py_None, *limits = Py_None, *ha = Py_None, *ba = Py_None, *tr = Py_None, *rt = Py_None,
-             *an = Py_None, *upstream = Py_None;
+             *an = Py_None, *upstream = Py_None, *fi = Py_None;
     if (ep >= 0) return PyErr_Format(PyExc_RuntimeError, "one front per process: started already");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOLOOOSSOOOO", names, &lfd, &ports, &dec, &rel, &hand, &suffixes,
-                                     &mb, &rqd, &rsd, &limits, &ha, &ba, &tr, &rt, &an, &upstream))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOLOOOSSOOOOO", names, &lfd, &ports, &dec, &rel, &hand,
+                                     &suffixes, &mb, &rqd, &rsd, &limits, &ha, &ba, &tr, &rt, &an, &upstream, &fi))
         return NULL;
     if (limits != Py_None && !PyArg_ParseTuple(limits, "ddd", &lim[0], &lim[1], &lim[2]))
         return NULL;
@@ -1213,6 +1239,8 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
     Py_XINCREF(rt == Py_None ? NULL : rt);
     Py_XINCREF(an == Py_None ? NULL : an);
     retry_cb = rt == Py_None ? NULL : rt;
+    Py_XINCREF(fi == Py_None ? NULL : fi);
+    first_cb = fi == Py_None ? NULL : fi;
     answered_cb = an == Py_None ? NULL : an;
     head_ms = (long long)(lim[0] * 1000);
     body_ms = (long long)(lim[1] * 1000);
@@ -1369,6 +1397,27 @@ static PyObject *sweep(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* configure(limits=, upstream=, max_body=, body_answer=): a reload's numbers, for what starts next. */
+static PyObject *configure(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"limits", "upstream", "max_body", "body_answer", NULL};
+    double lim[3], ups[2];
+    long long mb;
+    PyObject *ba;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "(ddd)(dd)LS", names, &lim[0], &lim[1], &lim[2], &ups[0], &ups[1], &mb,
+                                     &ba))
+        return NULL;
+    if (mb < 0) return PyErr_Format(PyExc_ValueError, "max_body: %lld", mb);
+    head_ms = (long long)(lim[0] * 1000);
+    body_ms = (long long)(lim[1] * 1000);
+    keepalive_ms = (long long)(lim[2] * 1000);
+    connect_ms = (long long)(ups[0] * 1000);
+    idle_ms = (long long)(ups[1] * 1000);
+    body_max = (size_t)mb < MAX_REQUEST - HEAD_MAX ? (size_t)mb : MAX_REQUEST - HEAD_MAX;
+    Py_INCREF(ba);
+    Py_XSETREF(body_answer, ba);
+    Py_RETURN_NONE;
+}
+
 /* instance(host, port) -> its slot, the number decide() and retry() name it by (-1: the host is not
  * an IP literal, or 64 instances are known already: the request goes to aiohttp). */
 static PyObject *instance(PyObject *self, PyObject *args) {
@@ -1465,8 +1514,33 @@ static PyObject *stats(PyObject *self, PyObject *unused) {
         open++;
         busy += c->busy;
     }
-    return Py_BuildValue("{sNsNsKsKsKslsl}", "inflight", fl, "kept", kept, "cut_head", cut_head, "cut_body", cut_body,
-                         "closed_idle", closed_idle, "open", open, "busy", busy);
+    return Py_BuildValue("{sNsNsKsKsKsKslsl}", "inflight", fl, "kept", kept, "cut_head", cut_head, "cut_body",
+                         cut_body, "closed_idle", closed_idle, "served", served, "open", open, "busy", busy);
+}
+
+/* shutdown(): close_all(), then the front is gone (its epoll, instances and callbacks): start() may
+ * run again in this process (a worker's next proxy, a test's next front). */
+static PyObject *front_shutdown(PyObject *self, PyObject *unused) {
+    PyObject *r = close_all(self, NULL);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    if (ep >= 0) close(ep);
+    ep = listen_fd = -1;
+    for (int i = 0; i < n_inst; i++) inflight[i] = 0, last_pick[i] = 0;
+    n_inst = n_hot = n_req_drop = n_resp_drop = hygiene = draining = 0;
+    picks = cut_head = cut_body = closed_idle = served = 0;
+    body_max = MAX_REQUEST;
+    head_ms = body_ms = keepalive_ms = connect_ms = idle_ms = 0;
+    Py_CLEAR(decide_cb);
+    Py_CLEAR(release_cb);
+    Py_CLEAR(retry_cb);
+    Py_CLEAR(answered_cb);
+    Py_CLEAR(first_cb);
+    Py_CLEAR(handoff_cb);
+    Py_CLEAR(trusted_cb);
+    Py_CLEAR(head_answer);
+    Py_CLEAR(body_answer);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -1478,11 +1552,14 @@ static PyMethodDef methods[] = {
      "trusted=None) -> the epoll fd to watch; then poll(), and sweep() on a timer"},
     {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
     {"sweep", sweep, METH_NOARGS, "sweep(): cut the clients past their deadlines now"},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(limits=(head, body, keepalive), upstream=(connect, idle), max_body=, body_answer=)"},
     {"instance", instance, METH_VARARGS, "instance(host, port) -> slot (-1: not an IP literal, or full)"},
     {"adopt", adopt, METH_VARARGS, "adopt(fd): an accepted client connection becomes the front's"},
     {"abort", abort_instance, METH_VARARGS, "abort(slot, answering) -> requests ended there"},
     {"drain", drain, METH_NOARGS, "drain(): idle connections close now, the others after their answer"},
     {"close_all", close_all, METH_NOARGS, "close_all(): every connection closes now"},
+    {"shutdown", front_shutdown, METH_NOARGS, "shutdown(): close_all(), and start() may run again"},
     {"stats", stats, METH_NOARGS, "stats() -> {'inflight': [...], 'kept': [...]} per instance"},
     {NULL, NULL, 0, NULL}};
 

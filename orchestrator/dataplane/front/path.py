@@ -1,0 +1,217 @@
+"""The Python half of a request the compiled front serves: the embedded path's rules, per request.
+
+_front.c reads the request, relays the bytes and keeps the deadlines; it asks this module at each
+turn of the request's life, on the worker's loop thread (the front runs inside the loop's poll):
+
+    decide(head, body)              -> (slot, request) | None: hand the connection to aiohttp
+    retry(request, reason)          -> (slot, request) | bytes: the answer to send instead
+    answered(request, status, body) -> (slot, request) | None: relay the instance's error answer
+    first(request)                  the first SSE event reached the client (the time to first token)
+    release(request, status, outcome, events)   once, when the request is over
+
+The rules are EmbeddedProxy's, not copies: the surface's classification (a route that is not a
+public native generation, or admin, goes to aiohttp, which answers it as always), the hold (no
+instance ready: aiohttp holds it), the balancer's pick, acquire and release, the refusals retried
+elsewhere (`_refusal`), a failed attempt's accounting (`_attempt_failed`), passive health
+(`_settle`, `_upstream_failed`) and the metrics. What the front does not do yet that the embedded
+path does: a pause and a second pick when only instances already tried are left (the front gives
+up with 502), --first-byte-timeout-s, and inter-token times (the front reports a stream's events
+at its end; its time to first token is taken at the first event).
+
+State: each request's `_FrontRequest`, owned by the front (it holds it from decide to release).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.dataplane.embedded import error_json
+from orchestrator.dataplane.metrics import NO_INSTANCE
+from orchestrator.routing.backends import Backend
+from orchestrator.routing.llm_policies import RouteHints
+from orchestrator.routing.prompt import prompt_of_json
+from orchestrator.routing.surface import PUBLIC
+
+if TYPE_CHECKING:
+    from orchestrator.dataplane.embedded import EmbeddedProxy  # noqa: F401 (the annotation's)
+
+# release()'s outcome (_front.c's enum outcome)
+DONE, CLIENT_GONE, CUT, IDLE, FAILED = range(5)
+_LLM_ACTIONS = frozenset({"generate", "generate_stream", "infer"})
+# The reasons for which a failed attempt does not count against the instance (the embedded path's
+# _Retryable(blame=False)): it said it was busy, or it had left rotation.
+_NOT_BLAMED = ("http_", "queue_full")
+
+
+def error_answer(status: int, message: str, extra: str = "") -> bytes:
+    """The whole answer the embedded path's `_error` gives, as bytes for the front to send."""
+    data = error_json(message).encode()
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(data)}\r\n{extra}\r\n").encode() + data
+
+
+class _FrontRequest:
+    __slots__ = ("timer", "hints", "path", "tried", "backend", "gauge", "sent_at", "last")
+
+    def __init__(self, timer: Any, hints: RouteHints | None, path: str) -> None:
+        self.timer = timer
+        self.hints = hints
+        self.path = path
+        self.tried: list[str] = []
+        self.backend: Backend | None = None  # the attempt in flight's instance
+        self.gauge: Any = None
+        self.sent_at = 0.0
+        self.last = "no attempt made"
+
+
+class FrontPath:
+    """decide/retry/answered/first/release for one worker's front, over its EmbeddedProxy."""
+
+    def __init__(self, proxy: EmbeddedProxy, slot_of: Any, log: logging.Logger) -> None:
+        self._proxy = proxy
+        self._slot_of = slot_of  # _front.instance(host, port)
+        self._slots: dict[tuple[str, int], int] = {}
+        self._log = log
+
+    def slot_known(self, host: str, port: int) -> int:
+        """The slot of an instance this front has sent to (-1: none)."""
+        return self._slots.get((host, port), -1)
+
+    def _slot(self, b: Backend) -> int:
+        key = (b.host, b.http_port)
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = self._slot_of(b.host, b.http_port)
+        return slot
+
+    def decide(self, head: bytes, body: bytes) -> tuple[int, _FrontRequest] | None:
+        p = self._proxy
+        target = head[head.index(b" ") + 1:head.index(b" HTTP/1.1\r\n")].decode("latin-1")
+        raw_path = target.partition("?")[0]
+        route = p._surface.route("POST", raw_path)
+        # Everything but a public native generation is aiohttp's to answer (admin: 403 or forwarded
+        # with --allow-admin; /v1; the NGINX-mode OpenAI listener); so is a request to hold.
+        if route.kind is not PUBLIC or route.api != "v2" or p._openai_only or p._stopping:
+            return None
+        backends = p._backends.current()
+        if not backends:
+            return None
+        if route.path != raw_path or "?" in target:
+            return None  # normalised or with a query: sent as classified, aiohttp's way
+        action = raw_path.rpartition("/")[2]
+        timer = p.metrics.timer(action) if action in _LLM_ACTIONS else None
+        hints = RouteHints.from_prompt(prompt_of_json(body)) if p._balancer.wants_prompt else None
+        request = _FrontRequest(timer, hints, raw_path)
+        chosen = self._attempt(request, backends)
+        if chosen is None:  # no instance this front can reach (a host name, not an address)
+            self._attempt_over(request)
+            return None
+        return chosen
+
+    def _attempt(self, request: _FrontRequest, backends: tuple[Backend, ...]) -> tuple[int, _FrontRequest] | None:
+        p = self._proxy
+        balancer = p._balancer
+        b = balancer.pick(backends, request.tried, request.hints)
+        if b is None:
+            return None
+        slot = self._slot(b)
+        if slot < 0:
+            return None
+        iid = b.instance_id
+        request.tried.append(iid)
+        p.metrics.routed(balancer.policy, balancer.last_reason, iid)
+        if request.timer is not None:
+            p.metrics.route_decision(balancer.last_decision, request.timer)
+        balancer.acquire(iid)
+        request.gauge = p.metrics.inflight_child(iid)
+        request.gauge.inc()
+        request.backend = b
+        request.sent_at = time.monotonic()
+        return slot, request
+
+    def _attempt_over(self, request: _FrontRequest) -> None:
+        b = request.backend
+        if b is not None:
+            request.backend = None
+            self._proxy._balancer.release(b.instance_id)
+            request.gauge.dec()
+        if request.timer is not None:
+            request.timer.attempt_over()
+
+    def retry(self, request: _FrontRequest, reason: str) -> tuple[int, _FrontRequest] | bytes:
+        p = self._proxy
+        b = request.backend
+        assert b is not None
+        iid = b.instance_id
+        self._attempt_over(request)
+        if reason == "header_timeout":
+            # The instance took the request and went silent for --idle-timeout-s: not retried (the
+            # work may be running), reported as a hang.
+            p._upstream_failed(b, "header_timeout")
+            p.metrics.count(iid, 504)
+            return error_answer(504, "instance did not answer within the idle timeout")
+        if reason == "bad_response":
+            p._upstream_failed(b, "bad_response")
+            p.metrics.count(iid, 502)
+            return error_answer(502, "instance sent an invalid response")
+        if reason == "aborted":  # the daemon took it out of rotation: retried as a dropped connection
+            reason = "disconnected"
+        request.last = f"instance {iid}: {reason}"
+        more = len(request.tried) < p._max_attempts
+        p._attempt_failed(b, reason, not reason.startswith(_NOT_BLAMED), more)
+        backends = p._backends.current()
+        chosen = self._attempt(request, backends) if more and backends else None
+        if chosen is not None:
+            return chosen
+        p.metrics.count(NO_INSTANCE, 502)
+        self._log.warning("POST %s: all %d attempt(s) failed, last: %s", request.path, len(request.tried),
+                          request.last)
+        return error_answer(502, f"all upstream attempts failed ({request.last})")
+
+    def answered(self, request: _FrontRequest, status: int, body: bytes) -> tuple[int, _FrontRequest] | bytes | None:
+        b = request.backend
+        assert b is not None
+        self._proxy.metrics.observe_latency(b.instance_id, time.monotonic() - request.sent_at)
+        refusal = self._proxy._refusal(status, b.instance_id, body)
+        if refusal is None:
+            return None  # the client's answer: relayed, counted at release
+        return self.retry(request, refusal)
+
+    def first(self, request: _FrontRequest) -> None:
+        b = request.backend
+        if request.timer is not None and b is not None:
+            request.timer.events(b.instance_id)
+
+    def release(self, request: _FrontRequest, status: int, outcome: int, events: int) -> None:
+        p = self._proxy
+        b = request.backend
+        try:
+            if b is None:  # our own answer went (retry gave up): counted there
+                return
+            iid = b.instance_id
+            if outcome == DONE:
+                p._settle(b, status)
+                p.metrics.count(iid, status)
+                timer = request.timer
+                if timer is not None and status < 300:
+                    if events == 0:
+                        timer.events(iid)  # not a stream: the whole answer is its one event
+                    elif events > 1:
+                        timer.later_events(iid, events - 1)
+            elif outcome == CUT or outcome == IDLE:
+                # Committed: bytes reached the client, which sees the cut (the connection closed).
+                reason = "idle_timeout" if outcome == IDLE else "body_error"
+                p._upstream_failed(b, reason)
+                p.metrics.count(iid, status)
+                self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
+            elif outcome == CLIENT_GONE:
+                p.metrics.count(iid, status)
+            else:
+                p.metrics.count(NO_INSTANCE, status)
+        finally:
+            self._attempt_over(request)
+            if p._tally is not None:
+                p._tally()

@@ -1,0 +1,214 @@
+"""A worker's proxy with --front compiled: the C front serves the native generations with the
+embedded path's rules (front/path.py), aiohttp everything else. In process, on real sockets:
+the proxy on a listening socket handed to it as a worker's is, instances as aiohttp servers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from orchestrator.config import Settings
+from orchestrator.dataplane.accept import bind_listener
+from orchestrator.dataplane.embedded import EmbeddedProxy
+from orchestrator.dataplane.front.compiled import NATIVE
+from orchestrator.routing.backends import Backend, ReadyBackends
+from tests.test_proxy_embedded import AppUpstream
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(NATIVE is None, reason="the compiled front is not built here")]
+
+GEN = "/v2/models/ensemble/generate"
+STREAM = "/v2/models/ensemble/generate_stream"
+EVENTS = 5
+
+
+async def sse(request: web.BaseRequest) -> web.StreamResponse:
+    """generate_stream as Triton answers it: chunked SSE, one event per token."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(EVENTS):
+        await resp.write(b'data: {"text_output": "t%d"}\n\n' % i)
+    await resp.write_eof()
+    return resp
+
+
+class Front:
+    """A proxy serving through the compiled front, on a socket it does not own (a worker's)."""
+
+    def __init__(self, *upstreams: AppUpstream, **settings: object) -> None:
+        self.backends = ReadyBackends()
+        self.backends.publish(tuple(Backend(str(i), "127.0.0.1", u.port, 1, 2) for i, u in enumerate(upstreams)))
+        base: dict[str, object] = dict(listen="127.0.0.1:0", metrics_listen="", lb_policy="round-robin",
+                                       front="compiled", connect_timeout_s=1.0, idle_timeout_s=5.0)
+        base.update(settings)
+        self.sock = bind_listener("127.0.0.1:0", "--listen")
+        self.proxy = EmbeddedProxy(Settings(**base), self.backends, sockets={"listen": self.sock})
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    async def __aenter__(self) -> "Front":
+        await self.proxy.start()
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.session.close()
+        await self.proxy.stop(grace_s=2.0)
+        self.sock.close()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.proxy.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    async def post(self, path: str = GEN, **kw: object) -> tuple[int, bytes, dict[str, str]]:
+        async with self.session.post(self.url + path, json={"text_input": "x"}, **kw) as r:
+            return r.status, await r.read(), dict(r.headers)
+
+
+async def test_streams_are_served_by_the_front_and_counted_as_the_embedded_path_counts_them():
+    up = await AppUpstream(sse).start()
+    try:
+        async with Front(up) as f:
+            for _ in range(3):
+                status, body, headers = await f.post(STREAM)
+                assert status == 200 and body.count(b"data:") == EVENTS
+                assert headers["Content-Type"] == "text/event-stream" and headers["X-Accel-Buffering"] == "no"
+            assert NATIVE.stats()["served"] == 3  # the front's, not aiohttp's
+            assert f.metric("trtllm_orch_proxy_requests_total", instance="0", code="200") == 3
+            assert f.metric("trtllm_orch_proxy_output_events_total", instance="0", api="generate_stream") == 3 * EVENTS
+            assert f.metric("trtllm_orch_proxy_time_to_first_token_seconds_count", instance="0",
+                            api="generate_stream") == 3
+            assert f.proxy.inflight() == {"0": 0}
+    finally:
+        await up.close()
+
+
+async def test_refusals_go_to_another_instance_and_client_errors_to_the_client():
+    async def busy(request: web.BaseRequest) -> web.StreamResponse:
+        return web.json_response({"error": "peer rank lost"}, status=503)
+
+    async def queue_full(request: web.BaseRequest) -> web.StreamResponse:
+        return web.json_response({"error": "Maximum queue size of 4 reached"}, status=500)
+
+    async def invalid(request: web.BaseRequest) -> web.StreamResponse:
+        return web.json_response({"error": "unexpected inference input 'foo'"}, status=400)
+
+    ups = [await AppUpstream(h).start() for h in (busy, queue_full)]
+    good = await AppUpstream().start()
+    try:
+        async with Front(*ups, good) as f:
+            for _ in range(4):
+                status, body, _ = await f.post()
+                assert status == 200 and str(good.port).encode() in body
+            assert all(u.requests for u in ups)  # tried, and no byte of theirs reached the client
+            assert f.metric("trtllm_orch_proxy_retries_total", instance="0", reason="http_503") >= 1
+            assert f.metric("trtllm_orch_proxy_retries_total", instance="1", reason="queue_full") >= 1
+        bad = await AppUpstream(invalid).start()
+        try:
+            async with Front(bad) as f:
+                status, body, _ = await f.post()
+                assert status == 400 and b"unexpected inference input" in body
+                assert len(bad.requests) == 1  # a client's error is not retried
+        finally:
+            await bad.close()
+    finally:
+        for u in (*ups, good):
+            await u.close()
+
+
+async def test_an_instance_that_refuses_connections_is_passed_over_and_a_silent_one_gets_504():
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections refused
+    good = await AppUpstream().start()
+
+    class Refusing:
+        port = dead.getsockname()[1]
+
+    try:
+        async with Front(Refusing, good) as f:  # type: ignore[arg-type]
+            for _ in range(3):
+                status, body, _ = await f.post()
+                assert status == 200 and str(good.port).encode() in body
+            assert f.metric("trtllm_orch_proxy_upstream_failures_total", instance="0", reason="connect_refused") >= 1
+
+        async def silent(request: web.BaseRequest) -> web.StreamResponse:
+            await asyncio.sleep(30)
+            raise AssertionError("never answers")
+
+        hung = await AppUpstream(silent).start()
+        try:
+            async with Front(hung, idle_timeout_s=0.5) as f:
+                status, body, _ = await f.post()
+                assert status == 504 and b"did not answer within the idle timeout" in body
+        finally:
+            await hung.close()
+    finally:
+        dead.close()
+        await good.close()
+
+
+async def test_what_is_not_a_public_generation_is_answered_by_aiohttp():
+    up = await AppUpstream().start()
+    try:
+        async with Front(up) as f:
+            async with f.session.get(f.url + "/v2/health/ready") as r:
+                assert r.status == 200
+            status, body, _ = await f.post("/v2/repository/models/ensemble/load")
+            assert status == 403 and b"admin API is disabled" in body
+            assert up.requests == [] and NATIVE.stats()["served"] == 0
+    finally:
+        await up.close()
+
+
+async def test_with_no_instance_ready_the_request_is_held_by_aiohttp_then_served():
+    up = await AppUpstream().start()
+    try:
+        async with Front(up, hold_s=5.0) as f:
+            ready = f.backends.current()
+            f.backends.publish(())
+            pending = asyncio.ensure_future(f.post())
+            await asyncio.sleep(0.3)
+            assert not pending.done()  # held
+            f.backends.publish(ready)
+            status, _, _ = await asyncio.wait_for(pending, 5)
+            assert status == 200
+    finally:
+        await up.close()
+
+
+async def test_stop_lets_a_stream_finish_and_abort_cuts_one():
+    async def slow_sse(request: web.BaseRequest) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(EVENTS):
+            await resp.write(b"data: %d\n\n" % i)
+            await asyncio.sleep(0.1)
+        await resp.write_eof()
+        return resp
+
+    up = await AppUpstream(slow_sse).start()
+    try:
+        f = Front(up)
+        await f.__aenter__()
+        try:
+            pending = asyncio.ensure_future(f.post(STREAM))
+            await asyncio.sleep(0.15)
+            await f.proxy.stop(grace_s=2.0)  # the stream in flight finishes within the grace
+            status, body, _ = await pending
+            assert status == 200 and body.count(b"data:") == EVENTS
+            assert NATIVE.stats()["served"] == 0  # the front is gone with the proxy
+        finally:
+            await f.session.close()
+            f.sock.close()
+        async with Front(up) as f:
+            pending = asyncio.ensure_future(f.post(STREAM))
+            await asyncio.sleep(0.15)
+            f.proxy.abort_instance("127.0.0.1", up.port, "hung", answering=True)
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await pending  # cut: the client can tell (no last chunk)
+            assert f.metric("trtllm_orch_proxy_upstream_failures_total", instance="0", reason="body_error") == 1
+            assert f.proxy.inflight() == {"0": 0}
+    finally:
+        await up.close()
