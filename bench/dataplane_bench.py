@@ -15,7 +15,9 @@ the same sources:
   - split: the design the issue asks to measure, not a product mode: NGINX with W workers
     carries the bytes, W Python deciders (bench/_route_decider.py: the product's balancer
     and default policy on the workers' shared table and prefix index) choose each route;
-  - front-*: the compiled front of issue 22's plan, not a product mode: W processes relaying in
+  - embedded-front: the product's workers with --front compiled (the C front of
+    orchestrator/dataplane/front/ serving the native generations with the embedded path's rules);
+  - front-*: the compiled front of issue 22's plan as a bare relay, not a product mode: W processes relaying in
     C (orchestrator/dataplane/front/_front.c), deciding in C (front-c: least requests in flight) or calling
     the product's balancer and default policy once per request (front-py); front-py-loop is
     front-py driven by an asyncio loop (uvloop), as a data-plane worker would run it, and
@@ -265,11 +267,13 @@ class Split(Nginx):
 class Embedded:
     """The product's WorkerPool on its own event loop thread (wrk runs beside it)."""
 
+    front = "aiohttp"  # --front
+
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
         from orchestrator.config import Settings
         from orchestrator.routing.backends import Backend, ReadyBackends
         self.settings = Settings(listen=f"127.0.0.1:{port}", grpc_listen="", metrics_listen="",
-                                 proxy_workers=str(workers), log_level="warning")
+                                 proxy_workers=str(workers), log_level="warning", front=self.front)
         self.backends = ReadyBackends()
         self.backends.publish(tuple(Backend(str(i), "127.0.0.1", p, p, p) for i, p in enumerate(ports)))
         self.state = Path(tempfile.mkdtemp(prefix="bench-dp-state-"))
@@ -302,6 +306,13 @@ class Embedded:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         shutil.rmtree(self.state, ignore_errors=True)
+
+
+class EmbeddedFront(Embedded):
+    """The product's workers with --front compiled: the native generations served by the C front
+    with the embedded path's rules (front/path.py), everything else by aiohttp."""
+
+    front = "compiled"
 
 
 class CompiledFront:
@@ -388,18 +399,19 @@ class CompiledFrontFullRules(CompiledFront):
 # nginx first: the anchor every row is divided by. split, front-c and front-py: designs issue 22
 # asks to measure beside the product (NGINX carries the bytes and Python decides the route; a
 # compiled relay deciding in C, or calling the product's Python policy), not product modes.
-TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded), ("split", Split),
+TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded),
+                                        ("embedded-front", EmbeddedFront), ("split", Split),
                                         ("front-c", CompiledFront), ("front-py", CompiledFrontPython),
                                         ("front-py-loop", CompiledFrontOnLoop),
                                         ("front-py-drain", CompiledFrontOnLoopDrained),
                                         ("front-py-lo", CompiledFrontLeastOutstanding),
                                         ("front-rules", CompiledFrontWithRules),
                                         ("front-full", CompiledFrontFullRules))
-STYLES = (("embedded", "o-"), ("split", "^-"), ("front-c", "v-"), ("front-py", "D-"), ("front-py-loop", "x-"),
+STYLES = (("embedded", "o-"), ("embedded-front", "o-."), ("split", "^-"), ("front-c", "v-"), ("front-py", "D-"), ("front-py-loop", "x-"),
           ("front-py-drain", "+-"), ("front-py-lo", "<-"), ("front-rules", ">-"), ("front-full", "*-"),
           ("nginx", "s--"))
 # the designs measured beside the product, each divided by NGINX in its own columns
-DESIGNS = ("split", "front-c", "front-py", "front-py-loop", "front-py-drain", "front-py-lo", "front-rules",
+DESIGNS = ("embedded-front", "split", "front-c", "front-py", "front-py-loop", "front-py-drain", "front-py-lo", "front-rules",
            "front-full")
 
 

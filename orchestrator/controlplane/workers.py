@@ -601,6 +601,8 @@ class WorkerPool:
                 "inflight": table.worker_inflight(index) if table is not None else 0,
                 "held": table.held(index) if table is not None else 0,
                 "requests": table.requests(index) if table is not None else 0,
+                # of those, answered by the compiled front (--front compiled; None without)
+                "front_served": slot.stats.get("front_served") if alive else None,
                 "last_exit": slot.last_exit,
             })
         alive = sum(1 for w in workers if w["alive"])

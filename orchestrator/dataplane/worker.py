@@ -298,12 +298,20 @@ class Worker:
             if now - last_stats >= STATS_S:
                 last_stats = now
                 self.feed.send({"t": "stats", "llm": self.metrics.recent.summary(now, histogram=True),
-                                "connections": self._connections(), "served": self.membership.take_served()})
+                                "connections": self._connections(), "served": self.membership.take_served(),
+                                "front_served": self._front_served()})
             await asyncio.sleep(HEARTBEAT_S)
 
     def _connections(self) -> int:
         http = self.proxies[0]
-        return sum(getattr(server, "open_connections", 0) for server in getattr(http, "_servers", ()))
+        front = getattr(http, "_front", None)
+        return sum(getattr(server, "open_connections", 0) for server in getattr(http, "_servers", ())) + \
+            (front.open_connections if front is not None else 0)
+
+    def _front_served(self) -> int | None:
+        """Requests the compiled front answered since this worker started (None: no front)."""
+        front = getattr(self.proxies[0], "_front", None)
+        return front.served if front is not None else None
 
 
 class WorkerCollector:

@@ -153,6 +153,10 @@ class Front:
     def open_connections(self) -> int:
         return NATIVE.stats()["open"]
 
+    @property
+    def served(self) -> int:
+        return NATIVE.stats()["served"]
+
     def adopt(self, conn: socket.socket) -> None:
         NATIVE.adopt(conn.detach())
 

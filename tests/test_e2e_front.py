@@ -1,0 +1,53 @@
+"""`--front compiled` end to end (issue 22): the data-plane workers serve the native generations
+through the C front, over real tritonserver ranks under mpirun and the TRT-LLM twin. What the
+client got must be what the endpoint counted, the front must be what served it, the rest of the
+surface must stay aiohttp's, and `down` must leave nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import psutil
+import pytest
+
+from tests.test_e2e_faults import alive, get_code, post
+from tests.test_e2e_llm_metrics import N_PLAIN, N_STREAM, TOKEN_MS, TOKENS, TTFT_ABS_S, TTFT_REL, _http_load, scrape, \
+    total
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_compiled_front_serves_generations_counted_as_the_client_saw_them(orch_run):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2,
+                   extra=("--canary-interval-s", "0", "--proxy-workers", "2", "--front", "compiled"),
+                   env_extra={"DEMO_TOKEN_DELAY_MS": str(TOKEN_MS)})
+    run.start(timeout=120)
+    pool = run.status()["proxies"][0]
+    pids = [w["pid"] for w in pool["workers"]]
+    stream_ttft, plain_ttft, sse_events = asyncio.run(_http_load(run.url("/v2/models/ensemble")))
+    assert sse_events == N_STREAM * TOKENS
+
+    m = scrape(run.metrics_port)
+    ttft = "trtllm_orch_proxy_time_to_first_token_seconds"
+    assert total(m, f"{ttft}_count", api="generate_stream") == N_STREAM
+    assert total(m, f"{ttft}_count", api="generate") == N_PLAIN
+    assert total(m, "trtllm_orch_proxy_output_events_total", api="generate_stream") == sse_events
+    assert total(m, "trtllm_orch_proxy_requests_total", code="200") == N_STREAM + N_PLAIN
+    assert total(m, "trtllm_orch_proxy_inflight_requests") == 0
+    for api, client in (("generate_stream", stream_ttft), ("generate", plain_ttft)):
+        proxy_mean = total(m, f"{ttft}_sum", api=api) / total(m, f"{ttft}_count", api=api)
+        client_mean = statistics.mean(client)
+        assert abs(proxy_mean - client_mean) <= TTFT_ABS_S + TTFT_REL * client_mean, (api, proxy_mean, client_mean)
+
+    # the front answered them (the workers report it once a second)
+    run.wait_for(lambda s: sum(w["front_served"] or 0 for w in s["proxies"][0]["workers"]) >= N_STREAM + N_PLAIN,
+                 timeout=10)
+    # the rest of the surface is aiohttp's, on the same port: health, the admin API's refusal
+    assert get_code(run.url("/v2/health/ready")) == 200
+    code, answer = post(run.url("/v2/repository/models/ensemble/unload"), b"{}")
+    assert code == 403 and b"admin API is disabled" in answer
+
+    out = run.down()
+    assert out.returncode == 0, out.stderr
+    assert not [p for p in pids if psutil.pid_exists(p) and alive(psutil.Process(p))]
