@@ -15,8 +15,9 @@ instance ready: aiohttp holds it), the balancer's pick, acquire and release, the
 elsewhere (`_refusal`), a failed attempt's accounting (`_attempt_failed`), passive health
 (`_settle`, `_upstream_failed`) and the metrics. What the front does not do yet that the embedded
 path does: a pause and a second pick when only instances already tried are left (the front gives
-up with 502), --first-byte-timeout-s, and inter-token times (the front reports a stream's events
-at its end; its time to first token is taken at the first event).
+up with 502), --first-byte-timeout-s (where it is set, the front hands every request to aiohttp),
+and inter-token times (the front reports a stream's events at its end; its time to first token is
+taken at the first event).
 
 State: each request's `_FrontRequest`, owned by the front (it holds it from decide to release).
 """
@@ -95,6 +96,8 @@ class FrontPath:
         # Everything but a public native generation is aiohttp's to answer (admin: 403 or forwarded
         # with --allow-admin; /v1; the NGINX-mode OpenAI listener); so is a request to hold.
         if route.kind is not PUBLIC or route.api != "v2" or p._openai_only or p._stopping:
+            return None
+        if p._first_byte_s is not None:  # --first-byte-timeout-s: the embedded path keeps it, the front not yet
             return None
         backends = p._backends.current()
         if not backends:
