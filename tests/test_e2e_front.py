@@ -6,12 +6,14 @@ surface must stay aiohttp's, and `down` must leave nothing."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import statistics
+import time
 
 import psutil
 import pytest
 
-from tests.test_e2e_faults import alive, get_code, post
+from tests.test_e2e_faults import SLACK_S, Load, alive, fault_case, get_code, post, rank_proc, start_run
 from tests.test_e2e_llm_metrics import N_PLAIN, N_STREAM, TOKEN_MS, TOKENS, TTFT_ABS_S, TTFT_REL, _http_load, scrape, \
     total
 
@@ -51,3 +53,22 @@ def test_the_compiled_front_serves_generations_counted_as_the_client_saw_them(or
     out = run.down()
     assert out.returncode == 0, out.stderr
     assert not [p for p in pids if psutil.pid_exists(p) and alive(psutil.Process(p))]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
+def test_a_rank_killed_or_hung_under_load_through_the_front_fails_no_request(orch_run, sig):
+    """The embedded path's promise kept by the front: requests waiting at an instance that dies
+    or hangs go to the other one (a refused connect, a dropped one, or the daemon's abort of a
+    hung instance: retry()), none reaches the client as an error, and the instance comes back."""
+    run = start_run(orch_run, extra=("--proxy-workers", "2", "--front", "compiled"))
+    rank0 = rank_proc(run, "0", 0)
+    with Load(run, threads=4) as load:
+        time.sleep(1.0)
+        assert load.ok > 0 and not load.failures, load.failures[:3]
+        fault_case(run, f"{sig.name} rank 0 under load, --front compiled", lambda: rank0.send_signal(sig),
+                   detect_within=0.5 + 0.5 + SLACK_S)
+        time.sleep(1.0)
+    assert load.failures == [], load.failures[:5]
+    assert load.ok >= 10
+    # the front carried them (the workers report once a second)
+    run.wait_for(lambda s: sum(w["front_served"] or 0 for w in s["proxies"][0]["workers"]) >= load.ok, timeout=10)

@@ -212,3 +212,31 @@ async def test_stop_lets_a_stream_finish_and_abort_cuts_one():
             assert f.proxy.inflight() == {"0": 0}
     finally:
         await up.close()
+
+
+async def test_a_connection_accepted_just_before_a_stop_gets_its_first_request_answered():
+    """As GuardedServer.settle does for aiohttp's: a client that connected before the stop and
+    sends its request a moment after is answered (Connection: close), not reset unread."""
+    up = await AppUpstream().start()
+    f = Front(up)
+    await f.__aenter__()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", f.sock.getsockname()[1])
+        for _ in range(100):
+            if NATIVE.stats()["open"] == 1:  # the front has it
+                break
+            await asyncio.sleep(0.01)
+        assert NATIVE.stats()["fresh"] == 1
+        stopping = asyncio.ensure_future(f.proxy.stop(grace_s=2.0))
+        await asyncio.sleep(0.1)
+        body = b'{"text_input": "x"}'
+        writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (GEN.encode(), len(body), body))
+        answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the connection closes after it
+        head = answer.split(b"\r\n\r\n", 1)[0]
+        assert head.startswith(b"HTTP/1.1 200") and b"Connection: close" in head, answer[:300]
+        await stopping
+        writer.close()
+    finally:
+        await f.session.close()
+        f.sock.close()
+        await up.close()

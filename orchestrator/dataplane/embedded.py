@@ -292,7 +292,8 @@ class EmbeddedProxy:
                     runner.server.pre_shutdown()
         # The front's requests end (or are cut) within the same grace as the handlers below: its
         # stop is awaited before the listeners and the pool close.
-        front_stop = asyncio.ensure_future(self._front.stop(grace_s)) if self._front is not None else None
+        front_stop = asyncio.ensure_future(self._front.stop(grace_s, FIRST_REQUEST_GRACE_S)) \
+            if self._front is not None else None
         # together: each may wait the whole first-request grace
         await asyncio.gather(*(server.settle(min(FIRST_REQUEST_GRACE_S, max(grace_s, 0))) for server in self._servers))
         # 2. let in-flight requests finish, up to the grace.

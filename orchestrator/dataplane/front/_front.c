@@ -142,6 +142,8 @@ static long long now_ms, last_sweep_ms;
 static long long connect_ms, idle_ms; /* the instance's: to connect, and between its bytes */
 static int draining;                  /* stopping: no connection is kept after its answer */
 static client_t *clients; /* every open client */
+static long n_open;       /* their number */
+static int in_batch;      /* handling events or a sweep: abort() and the like would act under it */
 static unsigned long long cut_head, cut_body, closed_idle, served;
 static char relay_buf[RELAY_BUF];
 /* Closed this turn of the loop: freed after it, as a later event of the same batch may name them. */
@@ -357,20 +359,26 @@ static void answer_ended(up_t *u) {
     answer_sent(c);
 }
 
+/* An answer of the front's own is written (or waits in `out`: then the request ends when it is). */
+static void own_answer_sent(client_t *c) {
+    finish(c, O_FAILED);
+    if (c->fd < 0) return;
+    if (c->out_len > c->out_off) c->resp_done = 1;
+    else request_done(c);
+}
+
 /* An answer Python gave instead of the instance's (bytes from decide(), retry() or answered()). */
 static void give_up(client_t *c, PyObject *ans) {
     c->status = atoi(PyBytes_AS_STRING(ans) + 9);
     answer(c, PyBytes_AS_STRING(ans), (size_t)PyBytes_GET_SIZE(ans));
-    finish(c, O_FAILED);
-    if (c->fd >= 0) request_done(c);
     Py_DECREF(ans);
+    own_answer_sent(c);
 }
 
 static void fail_request(client_t *c) {
     c->status = 502;
     answer(c, R502, sizeof R502 - 1);
-    finish(c, O_FAILED);
-    if (c->fd >= 0) request_done(c);
+    own_answer_sent(c);
 }
 
 /* Where to go after an attempt that reached no client byte: retry()'s answer (Python decision), the
@@ -822,6 +830,7 @@ static void client_unlink(client_t *c) {
 
 static void client_free(client_t *c) {
     client_unlink(c);
+    n_open--;
     c->fd = -1;
     free(c->in);
     free(c->out);
@@ -1071,8 +1080,7 @@ static void try_request(client_t *c) {
     if (slot < 0) {
         c->status = 503;
         answer(c, R503, sizeof R503 - 1);
-        finish(c, O_FAILED);
-        if (c->fd >= 0) request_done(c);
+        own_answer_sent(c);
         return;
     }
     slot_taken(slot);
@@ -1150,6 +1158,7 @@ static int client_new(int fd) {
     c->next = clients;
     if (clients) clients->prev = c;
     clients = c;
+    n_open++;
     set_phase(c, P_HEAD);
     watch(fd, c, EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET);  /* a request already there is read at once */
     return 0;
@@ -1335,11 +1344,20 @@ static void flush_dead(void) {
     n_dead = 0;
 }
 
+/* The calls that change connections refuse to run inside the front's own callbacks (a Python rule
+ * that called them would act on a client the front is in the middle of). */
+static int outside_batch(void) {
+    if (!in_batch) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "called from inside the front's callbacks");
+    return 0;
+}
+
 /* One batch of ready events (waiting up to `timeout_ms`); their count, or -1 with errno. */
 static int run_batch(int timeout_ms) {
     struct epoll_event evs[512];
     int n = epoll_wait(ep, evs, 512, timeout_ms);
     now_ms = clock_ms();
+    in_batch = 1;
     for (int i = 0; i < n; i++) {
         int *obj = evs[i].data.ptr;  /* kind, then fd: -1 once closed this turn */
         if (obj[0] == K_LISTEN) accept_all(listen_fd);
@@ -1348,8 +1366,8 @@ static int run_batch(int timeout_ms) {
         else up_event((up_t *)obj, evs[i].events);
     }
     if (now_ms - last_sweep_ms >= SWEEP_MS) sweep_clients();
-    for (size_t i = 0; i < n_dead; i++) free(dead[i]);
-    n_dead = 0;
+    in_batch = 0;
+    flush_dead();
     return n;
 }
 
@@ -1391,8 +1409,11 @@ static PyObject *poll_ready(PyObject *self, PyObject *args) {
  * when events come, and a silent client brings none). */
 static PyObject *sweep(PyObject *self, PyObject *unused) {
     if (ep < 0) return PyErr_Format(PyExc_RuntimeError, "start() first");
+    if (!outside_batch()) return NULL;
     now_ms = clock_ms();
+    in_batch = 1;
     sweep_clients();
+    in_batch = 0;
     flush_dead();
     Py_RETURN_NONE;
 }
@@ -1449,7 +1470,9 @@ static PyObject *abort_instance(PyObject *self, PyObject *args) {
     int slot, answering, n = 0;
     if (!PyArg_ParseTuple(args, "ip", &slot, &answering)) return NULL;
     if (slot < 0 || slot >= n_inst) return PyErr_Format(PyExc_ValueError, "slot: %d", slot);
+    if (!outside_batch()) return NULL;
     now_ms = clock_ms();
+    in_batch = 1;
     for (client_t *c = clients, *next; c != NULL; c = next) {
         next = c->next;
         up_t *u = c->up;
@@ -1467,6 +1490,7 @@ static PyObject *abort_instance(PyObject *self, PyObject *args) {
         idle[slot] = u->next_idle;
         up_close(u);
     }
+    in_batch = 0;
     flush_dead();
     return PyLong_FromLong(n);
 }
@@ -1474,6 +1498,7 @@ static PyObject *abort_instance(PyObject *self, PyObject *args) {
 /* drain(): stopping. Idle kept connections close now; every other closes after its answer, which
  * says Connection: close where its head is still to come. */
 static PyObject *drain(PyObject *self, PyObject *unused) {
+    if (!outside_batch()) return NULL;
     draining = 1;
     for (client_t *c = clients, *next; c != NULL; c = next) {
         next = c->next;
@@ -1486,6 +1511,7 @@ static PyObject *drain(PyObject *self, PyObject *unused) {
 /* close_all(): the end of a stop's grace. Every client connection closes, its answer cut where one
  * was on the way (release(): outcome cut), and every kept instance connection. */
 static PyObject *close_all(PyObject *self, PyObject *unused) {
+    if (!outside_batch()) return NULL;
     while (clients != NULL) client_close_as(clients, O_CUT);
     for (int i = 0; i < n_inst; i++) {
         while (idle[i] != NULL) {
@@ -1509,13 +1535,19 @@ static PyObject *stats(PyObject *self, PyObject *unused) {
         PyList_SET_ITEM(fl, i, PyLong_FromLong(inflight[i]));
         PyList_SET_ITEM(kept, i, PyLong_FromLong(k));
     }
-    long open = 0, busy = 0;
+    long busy = 0, fresh = 0;
     for (client_t *c = clients; c != NULL; c = c->next) {
-        open++;
         busy += c->busy;
+        fresh += !c->busy && c->phase == P_HEAD && c->in_len == 0;  /* no byte of a request yet */
     }
-    return Py_BuildValue("{sNsNsKsKsKsKslsl}", "inflight", fl, "kept", kept, "cut_head", cut_head, "cut_body",
-                         cut_body, "closed_idle", closed_idle, "served", served, "open", open, "busy", busy);
+    return Py_BuildValue("{sNsNsKsKsKsKslslsl}", "inflight", fl, "kept", kept, "cut_head", cut_head, "cut_body",
+                         cut_body, "closed_idle", closed_idle, "served", served, "open", n_open, "busy", busy,
+                         "fresh", fresh);
+}
+
+/* open_count(): the client connections open now (the acceptor asks at every connection). */
+static PyObject *open_count(PyObject *self, PyObject *unused) {
+    return PyLong_FromLong(n_open);
 }
 
 /* shutdown(): close_all(), then the front is gone (its epoll, instances and callbacks): start() may
@@ -1552,6 +1584,7 @@ static PyMethodDef methods[] = {
      "trusted=None) -> the epoll fd to watch; then poll(), and sweep() on a timer"},
     {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
     {"sweep", sweep, METH_NOARGS, "sweep(): cut the clients past their deadlines now"},
+    {"open_count", open_count, METH_NOARGS, "open_count() -> client connections open now"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(limits=(head, body, keepalive), upstream=(connect, idle), max_body=, body_answer=)"},
     {"instance", instance, METH_VARARGS, "instance(host, port) -> slot (-1: not an IP literal, or full)"},

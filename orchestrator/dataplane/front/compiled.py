@@ -151,7 +151,7 @@ class Front:
 
     @property
     def open_connections(self) -> int:
-        return NATIVE.stats()["open"]
+        return NATIVE.open_count()
 
     @property
     def served(self) -> int:
@@ -164,12 +164,19 @@ class Front:
         slot = self.path.slot_known(host, port)
         return 0 if slot < 0 else NATIVE.abort(slot, answering)
 
-    async def stop(self, grace_s: float) -> None:
-        """Kept connections close now, the others after their answer; what still runs after
-        `grace_s` is cut (release: outcome cut, so the instances see the cancel)."""
+    async def stop(self, grace_s: float, first_request_s: float) -> None:
+        """Kept connections close now, the others after their answer; a connection accepted but
+        silent gets `first_request_s` for its first request (it may be on the way: closed
+        unread, the client would see a reset), as GuardedServer.settle gives aiohttp's; what
+        still runs after `grace_s` is cut (release: outcome cut, so the instances see the
+        cancel)."""
         NATIVE.drain()
-        deadline = time.monotonic() + max(grace_s, 0.0)
-        while NATIVE.stats()["busy"] and time.monotonic() < deadline:
+        began = time.monotonic()
+        deadline, fresh_deadline = began + max(grace_s, 0.0), began + min(first_request_s, max(grace_s, 0.0))
+        while time.monotonic() < deadline:
+            now = NATIVE.stats()
+            if not now["busy"] and (not now["fresh"] or time.monotonic() >= fresh_deadline):
+                break
             await asyncio.sleep(STOP_POLL_S)
         busy = NATIVE.stats()["busy"]
         if busy:
