@@ -102,7 +102,7 @@ async def _aiohttp_side() -> Any:
 
 def _route_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[Any, Any, Any]:
     """(the Decider, decide(head, body) -> (instance index, index) or None, release(index, status,
-    outcome, events)): the product's route as the split's deciders take it, the count acquired by decide
+    outcome, events, head_at, first_at)): the product's route as the split's deciders take it, the count acquired by decide
     and released by release (the front's API, front/_front.c)."""
     from bench._route_decider import Decider
     decider = Decider(state, slot, ports, policy)
@@ -116,7 +116,7 @@ def _route_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple
         i = index[iid]
         return i, i
 
-    def release(i: int, status: int, outcome: int, events: int) -> None:
+    def release(i: int, status: int, outcome: int, events: int, *times: float) -> None:
         decider.balancer.release(ids[i])
 
     return decider, decide, release
@@ -167,9 +167,9 @@ def _full_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[
         b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in up.items())  # the head to send
         return i, (i, timer, gauge)
 
-    def release(ctx: tuple[int, Any, Any], status: int, outcome: int, events: int) -> None:
+    def release(ctx: tuple[int, Any, Any], status: int, outcome: int, events: int, *times: float) -> None:
         i, timer, gauge = ctx
-        unroute(i, status, outcome, events)
+        unroute(i, status, outcome, events, *times)
         iid = ids[i]
         gauge.dec()
         metrics.count(iid, 200)

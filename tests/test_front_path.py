@@ -67,10 +67,13 @@ class Front:
             return r.status, await r.read(), dict(r.headers)
 
 
-async def test_streams_are_served_by_the_front_and_counted_as_the_embedded_path_counts_them():
+@pytest.mark.parametrize("policy", ["round-robin", "cost-model"])
+async def test_streams_are_served_by_the_front_and_counted_as_the_embedded_path_counts_them(policy):
+    """cost-model's pick learns from the first token as it comes (decide asks for first());
+    every policy's TTFT and upstream latency come from the front's clock at the release."""
     up = await AppUpstream(sse).start()
     try:
-        async with Front(up) as f:
+        async with Front(up, lb_policy=policy) as f:
             for _ in range(3):
                 status, body, headers = await f.post(STREAM)
                 assert status == 200 and body.count(b"data:") == EVENTS
@@ -80,6 +83,9 @@ async def test_streams_are_served_by_the_front_and_counted_as_the_embedded_path_
             assert f.metric("trtllm_orch_proxy_output_events_total", instance="0", api="generate_stream") == 3 * EVENTS
             assert f.metric("trtllm_orch_proxy_time_to_first_token_seconds_count", instance="0",
                             api="generate_stream") == 3
+            assert f.metric("trtllm_orch_proxy_upstream_latency_seconds_count", instance="0") == 3
+            ttft = f.metric("trtllm_orch_proxy_time_to_first_token_seconds_sum", instance="0", api="generate_stream")
+            assert 0 < ttft < 3.0
             assert f.proxy.inflight() == {"0": 0}
     finally:
         await up.close()

@@ -352,10 +352,13 @@ class TokenTimer:
             self.decision = None
             decision.abandoned()
 
-    def events(self, instance: str, n: int = 1) -> None:
+    def events(self, instance: str, n: int = 1, now: float | None = None) -> None:
+        """`now`: when they reached the client, where that was earlier than the call (the compiled
+        front reports its first event's time at the request's end)."""
         if n <= 0:
             return
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         children = self._children
         if children is None:
             children = self._children = self._metrics.llm_children(instance, self.api)

@@ -1,15 +1,24 @@
-/* The compiled front of a data-plane worker (issue 22): the hot native routes relayed in C.
+/* The compiled front of a data-plane worker (issue 22): the native generations relayed in C.
  *
- *     start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, ...) -> epoll fd
- *     poll(rounds=1), sweep(), stats()          (orchestrator/dataplane/front/compiled.py)
- *     serve(listen_fd, ports, ...)               (the same, on its own blocking loop: bench/_compiled_front.py)
+ *     start(listen_fd, ports, decide=, release=, retry=, answered=, first=, handoff=, ...) -> epoll fd
+ *     poll(rounds=1), sweep(), adopt(fd), instance(host, port), abort(slot, answering), drain(),
+ *     configure(...), stats(), open_count(), shutdown()        (front/compiled.py; bench/_compiled_front.py)
+ *     serve(listen_fd, ports, ...)             (the same on its own blocking loop: the bench)
  *
- * One thread, one epoll, edge-triggered: it accepts HTTP/1.1 clients on `listen_fd`, reads a
- * request whole (head + Content-Length body), picks an instance (`decide(body) -> index or -1`,
- * `release(index)` when the answer ended or was cut; without them least requests in flight in C,
- * ties in turn), sends the request over a pooled keep-alive connection to 127.0.0.1:ports[i], and
- * relays the answer's bytes to the client as they arrive (each read is written), following its
- * framing (Content-Length or chunked) to know where it ends, so both connections are kept.
+ * One thread, one epoll, edge-triggered: it takes HTTP/1.1 clients (accepted on `listen_fd`, or
+ * handed over with adopt()), reads a request whole (head + Content-Length body), asks where it goes,
+ * sends it over a pooled keep-alive connection to that instance, and relays the answer's bytes to
+ * the client as they arrive (each read is written), following its framing (Content-Length or
+ * chunked) to know where it ends, so both connections are kept.
+ *
+ * Where a request goes, and what happens to it, is Python's (front/path.py), called on the thread
+ * that runs poll():
+ *     decide(head, body) -> (slot, ctx[, want_first]) | bytes (the answer to send) | None (hand off)
+ *     retry(ctx, reason) -> (slot, ctx) | bytes      after an attempt that reached no client byte
+ *     answered(ctx, status, body) -> (slot, ctx) | bytes | None (relay it)   an error answer held back
+ *     first(ctx)                                      the first SSE event, where decide wanted it
+ *     release(ctx, status, outcome, events, head_at, first_at)               once per request
+ * Without decide, the bench's bare relay: least requests in flight in C, ties in turn.
  *
  * What it keeps of the product's rules, each given by the Python side from its one definition:
  * - which requests are its own (`handoff`): a POST over HTTP/1.1 to /v2/models/... ending in one of
@@ -27,11 +36,9 @@
  *   the head (else `body_answer`), and a kept connection waits `keepalive` seconds for the next one.
  *   Deadlines are checked every SWEEP_MS by poll(), or by sweep() on a timer of the loop's.
  *
- * Not here yet (the embedded path does them; issue 22's plan): the surface's classification in the
- * decision, hold, retries on 503 and a full queue, passive ejection, abort_instance, drain at stop,
- * the connection cap, and the request, TTFT and event metrics. A connect that fails is tried on the
- * next instance (the C decision) or answered 502 (a Python decision); a pooled connection the
- * instance closed before answering is retried once on a new one.
+ * The instance's deadlines are kept too (`upstream`: connect, and silence between its bytes); a
+ * pooled connection the instance closed before answering is retried once on a new one. Metrics are
+ * Python's, from release()'s numbers (issue 22's next step: counted here instead).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -95,6 +102,8 @@ typedef struct client {
     size_t pk_len, pk_cap, pk_body;
     long events; /* SSE events relayed in this answer (first() at the first) */
     int nl;      /* the last data relayed ended in one newline of an event's two */
+    int wants_first;         /* decide() asked for first() (a routing model learns from it at once) */
+    double head_at, first_at; /* when the answer's head came, when its first event went (0: not yet) */
 } client_t;
 
 struct up {
@@ -170,6 +179,12 @@ static void up_readable(up_t *u);
 static void start_upstream(client_t *c, int inst);
 static void hand_off(client_t *c);
 
+static double clock_s(void) {  /* CLOCK_MONOTONIC, as Python's time.monotonic() */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
 static long long clock_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -230,7 +245,8 @@ static int route_reply(client_t *c, PyObject *r, PyObject **answer_out) {
     } else if (PyBytes_Check(r) && PyBytes_GET_SIZE(r) > 12) {
         *answer_out = r;
         return -2;
-    } else if (PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
+    } else if (PyTuple_Check(r) && (PyTuple_GET_SIZE(r) == 2 || PyTuple_GET_SIZE(r) == 3)) {
+        c->wants_first = PyTuple_GET_SIZE(r) == 3 && PyObject_IsTrue(PyTuple_GET_ITEM(r, 2)) == 1;
         slot = (int)PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
         if (PyErr_Occurred()) {
             PyErr_Print();
@@ -254,7 +270,8 @@ static void finish(client_t *c, int outcome) {
     c->ctx = NULL;
     served++;
     if (release_cb != NULL) {
-        PyObject *r = PyObject_CallFunction(release_cb, "Oiil", ctx, c->status, outcome, c->events);
+        PyObject *r = PyObject_CallFunction(release_cb, "Oiildd", ctx, c->status, outcome, c->events, c->head_at,
+                                            c->first_at);
         if (r == NULL) PyErr_Print();
         Py_XDECREF(r);
     }
@@ -496,6 +513,7 @@ static void start_upstream(client_t *c, int inst) {
     c->peek = 0;
     c->pk_len = 0;
     c->events = c->nl = 0;
+    c->head_at = c->first_at = 0;
     up_t *u = idle[inst];
     if (u != NULL) {
         idle[inst] = u->next_idle;
@@ -546,7 +564,8 @@ static void sse_feed(client_t *c, const char *p, size_t n) {
     for (const char *q = p, *end = p + n - 1; q < end && (q = memchr(q, '\n', (size_t)(end - q))) != NULL; q++)
         if (q[1] == '\n') k++, q++;  /* non-overlapping, as bytes.count */
     c->nl = p[n - 1] == '\n' && !(n >= 2 && p[n - 2] == '\n');
-    if (k && c->events == 0 && first_cb != NULL && c->ctx != NULL) {
+    if (k && c->events == 0) c->first_at = clock_s();
+    if (k && c->events == 0 && c->wants_first && first_cb != NULL && c->ctx != NULL) {
         PyObject *r = PyObject_CallOneArg(first_cb, c->ctx);
         if (r == NULL) PyErr_Print();
         Py_XDECREF(r);
@@ -663,6 +682,7 @@ static int parse_answer_head(up_t *u, size_t len) {
     memset(&conn, 0, sizeof conn);
     if (len > 12) status = atoi(u->head + 9);
     u->status = u->cl->status = status;
+    u->cl->head_at = clock_s();
     const char *first = memchr(u->head, '\n', len) + 1, *end = u->head + len, *p = first;
     while ((r = next_header(&p, end, &h)) != 0) {
         if (r < 0) return -1;

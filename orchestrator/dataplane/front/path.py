@@ -3,11 +3,14 @@
 _front.c reads the request, relays the bytes and keeps the deadlines; it asks this module at each
 turn of the request's life, on the worker's loop thread (the front runs inside the loop's poll):
 
-    decide(head, body)              -> (slot, request) | None: hand the connection to aiohttp
+    decide(head, body)              -> (slot, request[, True]) | None: hand the connection to aiohttp
     retry(request, reason)          -> (slot, request) | bytes: the answer to send instead
     answered(request, status, body) -> (slot, request) | None: relay the instance's error answer
-    first(request)                  the first SSE event reached the client (the time to first token)
-    release(request, status, outcome, events)   once, when the request is over
+    first(request)                  the first SSE event reached the client, where decide asked (True:
+                                    a routing model learns its prefill is done then, not at the end)
+    release(request, status, outcome, events, head_at, first_at)   once, when the request is over:
+                                    the time to first token and the instance's latency come from
+                                    the front's own clock (time.monotonic's), taken as they happened
 
 The rules are EmbeddedProxy's, not copies: the surface's classification (a route that is not a
 public native generation, or admin, goes to aiohttp, which answers it as always), the hold (no
@@ -16,8 +19,7 @@ elsewhere (`_refusal`), a failed attempt's accounting (`_attempt_failed`), passi
 (`_settle`, `_upstream_failed`) and the metrics. What the front does not do yet that the embedded
 path does: a pause and a second pick when only instances already tried are left (the front gives
 up with 502), --first-byte-timeout-s (where it is set, the front hands every request to aiohttp),
-and inter-token times (the front reports a stream's events at its end; its time to first token is
-taken at the first event).
+and inter-token times (the front reports a stream's events at its end).
 
 State: each request's `_FrontRequest`, owned by the front (it holds it from decide to release).
 """
@@ -55,7 +57,7 @@ def error_answer(status: int, message: str, extra: str = "") -> bytes:
 
 
 class _FrontRequest:
-    __slots__ = ("timer", "hints", "path", "tried", "backend", "gauge", "sent_at", "last")
+    __slots__ = ("timer", "hints", "path", "tried", "backend", "gauge", "sent_at", "last", "first_seen")
 
     def __init__(self, timer: Any, hints: RouteHints | None, path: str) -> None:
         self.timer = timer
@@ -66,6 +68,7 @@ class _FrontRequest:
         self.gauge: Any = None
         self.sent_at = 0.0
         self.last = "no attempt made"
+        self.first_seen = False  # first() ran: the first event is counted already
 
 
 class FrontPath:
@@ -112,6 +115,8 @@ class FrontPath:
         if chosen is None:  # no instance this front can reach (a host name, not an address)
             self._attempt_over(request)
             return None
+        if timer is not None and timer.decision is not None:
+            return chosen[0], request, True  # the routing model's pick: first() at the first token
         return chosen
 
     def _attempt(self, request: _FrontRequest, backends: tuple[Backend, ...]) -> tuple[int, _FrontRequest] | None:
@@ -177,43 +182,46 @@ class FrontPath:
     def answered(self, request: _FrontRequest, status: int, body: bytes) -> tuple[int, _FrontRequest] | bytes | None:
         b = request.backend
         assert b is not None
-        self._proxy.metrics.observe_latency(b.instance_id, time.monotonic() - request.sent_at)
         refusal = self._proxy._refusal(status, b.instance_id, body)
         if refusal is None:
-            return None  # the client's answer: relayed, counted at release
+            return None  # the client's answer: relayed, its latency and count at release
+        self._proxy.metrics.observe_latency(b.instance_id, time.monotonic() - request.sent_at)
         return self.retry(request, refusal)
 
     def first(self, request: _FrontRequest) -> None:
         b = request.backend
         if request.timer is not None and b is not None:
+            request.first_seen = True
             request.timer.events(b.instance_id)
 
-    def release(self, request: _FrontRequest, status: int, outcome: int, events: int) -> None:
+    def release(self, request: _FrontRequest, status: int, outcome: int, events: int, head_at: float,
+                first_at: float) -> None:
         p = self._proxy
         b = request.backend
         try:
             if b is None:  # our own answer went (retry gave up): counted there
                 return
             iid = b.instance_id
-            if outcome == DONE:
+            if outcome == FAILED:
+                p.metrics.count(NO_INSTANCE, status)
+                return
+            if head_at:  # the instance answered (its head): as the embedded path's relay, at once
+                p.metrics.observe_latency(iid, head_at - request.sent_at)
                 p._settle(b, status)
                 p.metrics.count(iid, status)
-                timer = request.timer
-                if timer is not None and status < 300:
-                    if events == 0:
-                        timer.events(iid)  # not a stream: the whole answer is its one event
-                    elif events > 1:
-                        timer.later_events(iid, events - 1)
-            elif outcome == CUT or outcome == IDLE:
+            timer = request.timer
+            if timer is not None and status < 300 and head_at:
+                if first_at and not request.first_seen:
+                    timer.events(iid, 1, now=first_at)
+                if events > 1:
+                    timer.later_events(iid, events - 1)
+                elif events == 0 and outcome == DONE:
+                    timer.events(iid)  # not a stream: the whole answer is its one event
+            if outcome == CUT or outcome == IDLE:
                 # Committed: bytes reached the client, which sees the cut (the connection closed).
                 reason = "idle_timeout" if outcome == IDLE else "body_error"
                 p._upstream_failed(b, reason)
-                p.metrics.count(iid, status)
                 self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
-            elif outcome == CLIENT_GONE:
-                p.metrics.count(iid, status)
-            else:
-                p.metrics.count(NO_INSTANCE, status)
         finally:
             self._attempt_over(request)
             if p._tally is not None:
