@@ -246,3 +246,14 @@ async def test_a_connection_accepted_just_before_a_stop_gets_its_first_request_a
         await f.session.close()
         f.sock.close()
         await up.close()
+
+
+def test_status_says_how_many_requests_the_front_served():
+    from orchestrator.cli import format_workers
+    worker = {"slot": 0, "pid": 7, "version": "1", "connections": 2, "inflight": 0, "held": 0, "requests": 30,
+              "restarts": 0, "front_served": 28}
+    pool = {"state": "running", "workers_alive": 2, "workers_wanted": 2, "workers": [worker, {**worker, "slot": 1,
+                                                                                            "front_served": None}]}
+    lines = format_workers(pool)
+    assert "requests 30 (28 by the front)  restarts 0" in lines[1]
+    assert "requests 30  restarts 0" in lines[2]  # no front there: nothing said
