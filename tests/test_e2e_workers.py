@@ -190,8 +190,9 @@ class KeepAliveClient(threading.Thread):
                 conn = None
 
 
-def test_kill_9_of_one_worker_fails_only_its_own_connections_and_it_is_replaced(orch_run):
-    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2")).start()
+@pytest.mark.parametrize("front", ["aiohttp", "compiled"])
+def test_kill_9_of_one_worker_fails_only_its_own_connections_and_it_is_replaced(orch_run, front):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2", "--front", front)).start()
     clients = [KeepAliveClient(run) for _ in range(8)]
     for c in clients:
         c.start()
