@@ -111,8 +111,11 @@ def kill_daemon(run) -> None:
     run.proc.wait(timeout=10)
 
 
-def test_kill_9_of_the_daemon_under_load_loses_nothing_and_the_next_up_adopts(orch_run):
-    run = orch_run(gpus="0-3", tp=1, assume_gpus=4, extra=("--proxy-workers", "2")).start()
+@pytest.mark.parametrize("front", ["aiohttp", "compiled"])
+def test_kill_9_of_the_daemon_under_load_loses_nothing_and_the_next_up_adopts(orch_run, front):
+    """With the compiled front too: its streams, the gRPC, OpenAI (handed to aiohttp) and native
+    clients all go on while no daemon runs."""
+    run = orch_run(gpus="0-3", tp=1, assume_gpus=4, extra=("--proxy-workers", "2", "--front", front)).start()
     before = run.status()
     engines, workers = engine_pids(before), worker_pids(before)
     clients = [Streams(run), Streams(run), grpc_client(run), openai_client(run)]
