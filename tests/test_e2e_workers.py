@@ -42,8 +42,9 @@ def workers(run) -> list[dict]:
     return run.status()["proxies"][0]["workers"]
 
 
-def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run):
-    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2")).start()
+@pytest.mark.parametrize("front", ["aiohttp", "compiled"])
+def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run, front):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2", "--front", front)).start()
     status = run.status()
     pool = status["proxies"][0]
     assert pool["kind"] == "embedded" and pool["workers_alive"] == 2

@@ -98,6 +98,8 @@ class _Acceptor:
             # A count published only at accepts went stale when clients left: the next burst
             # was shared out as if they were still open (25/15, 5/35 of 40 on 2 workers).
             factory.on_closed = lambda: share.publish(self._open())
+            if front is not None:  # the front's clients leave too (it says so once per sweep)
+                front.on_closed = factory.on_closed
 
     def start(self) -> None:
         self._resume = None

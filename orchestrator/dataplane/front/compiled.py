@@ -93,14 +93,17 @@ class HandOff:
             await asyncio.wait(list(self._tasks))
 
 
-def drive(loop: asyncio.AbstractEventLoop, epfd: int, rounds: int) -> Callable[[], None]:
+def drive(loop: asyncio.AbstractEventLoop, epfd: int, rounds: int,
+          after_sweep: Callable[[], None] | None = None) -> Callable[[], None]:
     """Run a started front on `loop`: poll() when its epoll fd is readable (up to `rounds` batches per
-    wakeup), sweep() every SWEEP_S. Returns what stops it."""
+    wakeup), sweep() every SWEEP_S (then `after_sweep`). Returns what stops it."""
     loop.add_reader(epfd, NATIVE.poll, rounds)
     timer: list[asyncio.TimerHandle] = []
 
     def tick() -> None:
         NATIVE.sweep()
+        if after_sweep is not None:
+            after_sweep()
         timer[:] = [loop.call_later(SWEEP_S, tick)]
 
     tick()
@@ -132,6 +135,9 @@ class Front:
         self.path = FrontPath(proxy, NATIVE.instance, log)
         self._handoff: HandOff | None = None
         self._undrive: Callable[[], None] | None = None
+        # Told when the front's count of open connections fell (the acceptor's share, accept.py)
+        self.on_closed: Callable[[], None] | None = None
+        self._open_seen = 0
 
     def start(self, settings: Any, limits: ClientLimits, keepalive_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -141,7 +147,13 @@ class Front:
                             answered=path.answered, first=path.first, handoff=self._handoff,
                             upstream=(settings.connect_timeout_s, settings.idle_timeout_s),
                             **rules(limits, keepalive_s, settings.max_body_bytes, TrustedPeers(settings.trusted_proxy)))
-        self._undrive = drive(loop, epfd, DRAIN_ROUNDS)
+        self._undrive = drive(loop, epfd, DRAIN_ROUNDS, self._count_closed)
+
+    def _count_closed(self) -> None:
+        now = NATIVE.open_count()
+        if now < self._open_seen and self.on_closed is not None:
+            self.on_closed()
+        self._open_seen = now
 
     def configure(self, settings: Any, limits: ClientLimits, keepalive_s: float) -> None:
         """A reload's new numbers, for the requests that start from now on."""
