@@ -1599,9 +1599,10 @@ static PyMethodDef methods[] = {
     {"serve", (PyCFunction)(void (*)(void))serve, METH_VARARGS | METH_KEYWORDS,
      "serve(listen_fd, ports, decide=None, release=None): relay until a signal's handler raises"},
     {"start", (PyCFunction)(void (*)(void))start, METH_VARARGS | METH_KEYWORDS,
-     "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, decide_head=False, "
-     "max_body=1M, request_drop=None, response_drop=None, limits=None, head_answer=None, body_answer=None, "
-     "trusted=None) -> the epoll fd to watch; then poll(), and sweep() on a timer"},
+     "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, max_body=1M, "
+     "request_drop=None, response_drop=None, limits=None, head_answer=None, body_answer=None, trusted=None, "
+     "retry=None, answered=None, upstream=None, first=None) -> the epoll fd to watch; then poll(), and sweep() "
+     "on a timer (the top of _front.c says what each is)"},
     {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
     {"sweep", sweep, METH_NOARGS, "sweep(): cut the clients past their deadlines now"},
     {"open_count", open_count, METH_NOARGS, "open_count() -> client connections open now"},
