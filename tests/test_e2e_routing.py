@@ -109,8 +109,11 @@ def test_a_stalled_engine_is_restarted(orch_run):
     assert not load.failures, load.failures[:5]
 
 
-def test_one_instance_kill_under_load_fails_no_request(orch_run):
-    run = orch_run(gpus="0-1", tp=2, assume_gpus=2).start()
+@pytest.mark.parametrize("front", ["aiohttp", "compiled"])
+def test_one_instance_kill_under_load_fails_no_request(orch_run, front):
+    """With the compiled front too: a request that finds the only instance dead goes to aiohttp,
+    which holds it until the restarted instance is ready."""
+    run = orch_run(gpus="0-1", tp=2, assume_gpus=2, extra=("--front", front)).start()
     victim = rank_proc(run, "0", 1)
     with Load(run, threads=4) as load:
         time.sleep(1.0)

@@ -257,3 +257,39 @@ def test_status_says_how_many_requests_the_front_served():
     lines = format_workers(pool)
     assert "requests 30 (28 by the front)  restarts 0" in lines[1]
     assert "requests 30  restarts 0" in lines[2]  # no front there: nothing said
+
+
+async def test_a_request_whose_only_instance_dies_is_held_by_aiohttp_until_it_is_back():
+    """The one instance refuses (it died, the daemon has not yet seen it): no other to try, so the
+    front hands the request to aiohttp, which holds it while no instance is ready and sends it
+    once the instance is back (the embedded path's hold through a restart; one instance, as the
+    TP4 layout of a 4-GPU node)."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))  # bound, not listening: refused until the instance is back
+    number = port.getsockname()[1]
+
+    class Restarting:
+        pass
+
+    Restarting.port = number
+    up = AppUpstream()
+    try:
+        async with Front(Restarting, hold_s=5.0) as f:  # type: ignore[arg-type]
+            ready = f.backends.current()
+            pending = asyncio.ensure_future(f.post())
+            await asyncio.sleep(0.05)
+            f.backends.publish(())  # the daemon saw it die
+            await asyncio.sleep(0.3)
+            assert not pending.done()  # held, not failed
+            port.close()
+            up.runner = web.ServerRunner(web.Server(up._entry, access_log=None))
+            await up.runner.setup()
+            await web.TCPSite(up.runner, "127.0.0.1", number).start()  # back, on its port
+            up.port = number
+            f.backends.publish(ready)
+            status, body, _ = await asyncio.wait_for(pending, 5)
+            assert status == 200 and str(number).encode() in body
+            assert f.metric("trtllm_orch_proxy_upstream_failures_total", instance="0", reason="connect_refused") >= 1
+    finally:
+        port.close()
+        await up.close()

@@ -14,8 +14,9 @@
  * Where a request goes, and what happens to it, is Python's (front/path.py), called on the thread
  * that runs poll():
  *     decide(head, body) -> (slot, ctx[, want_first]) | bytes (the answer to send) | None (hand off)
- *     retry(ctx, reason) -> (slot, ctx) | bytes      after an attempt that reached no client byte
- *     answered(ctx, status, body) -> (slot, ctx) | bytes | None (relay it)   an error answer held back
+ *     retry(ctx, reason) -> (slot, ctx) | bytes | False (hand off)   after an attempt that reached no
+ *                                                  client byte
+ *     answered(ctx, status, body) -> (slot, ctx) | bytes | False | None (relay it)   an error held back
  *     first(ctx)                                      the first SSE event, where decide wanted it
  *     release(ctx, status, outcome, events, head_at, first_at)               once per request
  * Without decide, the bench's bare relay: least requests in flight in C, ties in turn.
@@ -164,7 +165,7 @@ static size_t n_dead, dead_cap;
 enum reason { R_REFUSED, R_CONNECT_TIMEOUT, R_DISCONNECTED, R_BAD_RESPONSE, R_HEADER_TIMEOUT, R_ABORTED };
 static const char *reason_names[] = {"connect_refused", "connect_timeout", "disconnected", "bad_response",
                                      "header_timeout", "aborted"};
-enum outcome { O_DONE, O_CLIENT_GONE, O_CUT, O_IDLE, O_FAILED };
+enum outcome { O_DONE, O_CLIENT_GONE, O_CUT, O_IDLE, O_FAILED, O_HANDED };
 #define PEEK_MAX 65536 /* an error answer up to this size is held back and shown to answered() */
 
 static const char R502[] = "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n";
@@ -231,8 +232,8 @@ static void slot_taken(int slot) {
 }
 
 /* Python's word on where a request goes: (slot, ctx) -> the slot (ctx kept for the request); bytes ->
- * -2 and the answer to send instead in *answer_out (a new reference); None -> -3 (hand it off);
- * anything else, or an error -> -1. Takes `r` (a new reference, or NULL with an exception). */
+ * -2 and the answer to send instead in *answer_out (a new reference); None -> -3 (decide(): hand it
+ * off; answered(): relay the answer); False -> -4 (hand it off); anything else, or an error -> -1. Takes `r` (a new reference, or NULL with an exception). */
 static int route_reply(client_t *c, PyObject *r, PyObject **answer_out) {
     int slot = -1;
     *answer_out = NULL;
@@ -242,6 +243,8 @@ static int route_reply(client_t *c, PyObject *r, PyObject **answer_out) {
     }
     if (r == Py_None) {
         slot = -3;
+    } else if (r == Py_False) {
+        slot = -4;
     } else if (PyBytes_Check(r) && PyBytes_GET_SIZE(r) > 12) {
         *answer_out = r;
         return -2;
@@ -398,6 +401,13 @@ static void fail_request(client_t *c) {
     own_answer_sent(c);
 }
 
+/* No byte of its answer reached the client, and Python says aiohttp carries the request from here
+ * (no other instance: it holds until one is ready): the connection goes with the request's bytes. */
+static void handed_over(client_t *c) {
+    finish(c, O_HANDED);
+    hand_off(c);
+}
+
 /* Where to go after an attempt that reached no client byte: retry()'s answer (Python decision), the
  * next instance (C decision), or 502. */
 static void next_attempt(client_t *c, int failed, int reason) {
@@ -407,6 +417,7 @@ static void next_attempt(client_t *c, int failed, int reason) {
         next = route_reply(c, PyObject_CallFunction(retry_cb, "Os", c->ctx ? c->ctx : Py_None, reason_names[reason]),
                            &ans);
         if (next == -2) { give_up(c, ans); return; }
+        if (next <= -3 && handoff_cb != NULL) { handed_over(c); return; }
     } else if (decide_cb == NULL && c->tries < 3) {
         c->tries++;
         next = pick_in_c(failed);
@@ -446,6 +457,7 @@ static void peek_done(up_t *u) {
                                                     c->pk + c->pk_body, (Py_ssize_t)(c->pk_len - c->pk_body)),
                            &ans);
     if (next == -2) { give_up(c, ans); return; }
+    if (next == -4 && handoff_cb != NULL) { handed_over(c); return; }
     if (next >= 0) {
         slot_taken(next);
         start_upstream(c, next);
@@ -1093,7 +1105,7 @@ static void try_request(client_t *c) {
         slot = route_reply(c, PyObject_CallFunction(decide_cb, "y#y#", c->in, (Py_ssize_t)head_len, c->in + head_len,
                                                     (Py_ssize_t)(c->req_len - head_len)), &ans);
         if (slot == -2) { give_up(c, ans); return; }
-        if (slot == -3 && handoff_cb != NULL) { hand_off(c); return; }  /* aiohttp's: hold, or not a route of ours */
+        if (slot <= -3 && handoff_cb != NULL) { hand_off(c); return; }  /* aiohttp's: hold, or not a route of ours */
     } else {
         slot = pick_in_c(-1);
     }

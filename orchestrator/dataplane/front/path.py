@@ -4,8 +4,9 @@ _front.c reads the request, relays the bytes and keeps the deadlines; it asks th
 turn of the request's life, on the worker's loop thread (the front runs inside the loop's poll):
 
     decide(head, body)              -> (slot, request[, True]) | None: hand the connection to aiohttp
-    retry(request, reason)          -> (slot, request) | bytes: the answer to send instead
-    answered(request, status, body) -> (slot, request) | None: relay the instance's error answer
+    retry(request, reason)          -> (slot, request) | bytes: the answer to send instead | False:
+                                    hand it to aiohttp (no other instance to try: it holds)
+    answered(request, status, body) -> (slot, request) | bytes | False | None: relay the error answer
     first(request)                  the first SSE event reached the client, where decide asked (True:
                                     a routing model learns its prefill is done then, not at the end)
     release(request, status, outcome, events, head_at, first_at)   once, when the request is over:
@@ -17,8 +18,7 @@ public native generation, or admin, goes to aiohttp, which answers it as always)
 instance ready: aiohttp holds it), the balancer's pick, acquire and release, the refusals retried
 elsewhere (`_refusal`), a failed attempt's accounting (`_attempt_failed`), passive health
 (`_settle`, `_upstream_failed`) and the metrics. What the front does not do yet that the embedded
-path does: a pause and a second pick when only instances already tried are left (the front gives
-up with 502), --first-byte-timeout-s (where it is set, the front hands every request to aiohttp),
+path does: --first-byte-timeout-s (where it is set, the front hands every request to aiohttp),
 and inter-token times (the front reports a stream's events at its end).
 
 State: each request's `_FrontRequest`, owned by the front (it holds it from decide to release).
@@ -41,8 +41,9 @@ from orchestrator.routing.surface import PUBLIC
 if TYPE_CHECKING:
     from orchestrator.dataplane.embedded import EmbeddedProxy  # noqa: F401 (the annotation's)
 
-# release()'s outcome (_front.c's enum outcome)
-DONE, CLIENT_GONE, CUT, IDLE, FAILED = range(5)
+# release()'s outcome (_front.c's enum outcome); HANDED: the request went to aiohttp, which answers it
+DONE, CLIENT_GONE, CUT, IDLE, FAILED, HANDED = range(6)
+HAND_OFF = False  # retry()'s and answered()'s word for it
 _LLM_ACTIONS = frozenset({"generate", "generate_stream", "infer"})
 # The reasons for which a failed attempt does not count against the instance (the embedded path's
 # _Retryable(blame=False)): it said it was busy, or it had left rotation.
@@ -149,7 +150,7 @@ class FrontPath:
         if request.timer is not None:
             request.timer.attempt_over()
 
-    def retry(self, request: _FrontRequest, reason: str) -> tuple[int, _FrontRequest] | bytes:
+    def retry(self, request: _FrontRequest, reason: str) -> tuple[int, _FrontRequest] | bytes | bool:
         p = self._proxy
         b = request.backend
         assert b is not None
@@ -174,12 +175,19 @@ class FrontPath:
         chosen = self._attempt(request, backends) if more and backends else None
         if chosen is not None:
             return chosen
+        if more:
+            # Only instances already tried are left, or none is ready (an instance that just died,
+            # not yet out of rotation, or restarting): the embedded path pauses, picks again and
+            # holds while none is ready. It carries the request from here, nothing of it having
+            # reached the client.
+            return HAND_OFF
         p.metrics.count(NO_INSTANCE, 502)
         self._log.warning("POST %s: all %d attempt(s) failed, last: %s", request.path, len(request.tried),
                           request.last)
         return error_answer(502, f"all upstream attempts failed ({request.last})")
 
-    def answered(self, request: _FrontRequest, status: int, body: bytes) -> tuple[int, _FrontRequest] | bytes | None:
+    def answered(self, request: _FrontRequest, status: int,
+                 body: bytes) -> tuple[int, _FrontRequest] | bytes | bool | None:
         b = request.backend
         assert b is not None
         refusal = self._proxy._refusal(status, b.instance_id, body)
@@ -199,7 +207,7 @@ class FrontPath:
         p = self._proxy
         b = request.backend
         try:
-            if b is None:  # our own answer went (retry gave up): counted there
+            if b is None or outcome == HANDED:  # our own answer went (retry gave up), or aiohttp's will
                 return
             iid = b.instance_id
             if outcome == FAILED:
@@ -224,5 +232,5 @@ class FrontPath:
                 self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
         finally:
             self._attempt_over(request)
-            if p._tally is not None:
+            if p._tally is not None and outcome != HANDED:  # aiohttp's handler tallies a handed one
                 p._tally()
