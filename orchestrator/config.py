@@ -108,7 +108,7 @@ class Settings:
     # least-outstanding (bench/routing_bench.py, bench/README.md).
     lb_policy: str = opt("prefix-affinity", "routing: " + ", ".join(LB_POLICIES), group="proxy")
     # aiohttp by default: the compiled front (orchestrator/dataplane/front/path.py says what it
-    # lacks yet: inter-token metrics, --first-byte-timeout-s) is measured in bench/README.md.
+    # lacks yet: --first-byte-timeout-s) is measured in bench/README.md.
     front: str = opt("aiohttp", "what serves the embedded workers' native generate, generate_stream and infer "
                      "requests: aiohttp, or compiled (a relay in C, experimental; every other request stays "
                      "aiohttp's)", group="proxy")

@@ -84,6 +84,9 @@ async def test_streams_are_served_by_the_front_and_counted_as_the_embedded_path_
             assert f.metric("trtllm_orch_proxy_time_to_first_token_seconds_count", instance="0",
                             api="generate_stream") == 3
             assert f.metric("trtllm_orch_proxy_upstream_latency_seconds_count", instance="0") == 3
+            # the gaps between a stream's events, counted per bucket in C
+            assert f.metric("trtllm_orch_proxy_inter_token_seconds_count", instance="0",
+                            api="generate_stream") == 3 * (EVENTS - 1)
             ttft = f.metric("trtllm_orch_proxy_time_to_first_token_seconds_sum", instance="0", api="generate_stream")
             assert 0 < ttft < 3.0
             assert f.proxy.inflight() == {"0": 0}

@@ -381,6 +381,14 @@ class TokenTimer:
         count.inc(n)
         recent.events(instance, n, now)
 
+    def inter_token_counts(self, instance: str, total: float, counts: tuple[int, ...]) -> None:
+        """A stream's inter-token times, counted per bucket of ITL_BUCKETS by the compiled front
+        (front/path.py): added to the histogram as its observe() would have, one by one."""
+        children = self._children
+        if children is None:
+            children = self._children = self._metrics.llm_children(instance, self.api)
+        _observe_counts(children[1], total, counts)
+
     def later_events(self, instance: str, n: int) -> None:
         """n events after the first, counted at once without their gaps: the compiled front
         (front/path.py) reports a stream's events at its end, so it observes no inter-token
@@ -390,6 +398,22 @@ class TokenTimer:
             children = self._children = self._metrics.llm_children(instance, self.api)
         children[2].inc(n)
         self._metrics.recent.events(instance, n, time.monotonic())
+
+
+def _observe_counts(histogram: Histogram, total: float, counts: tuple[int, ...]) -> None:
+    """Observations already counted per bucket (non-cumulative, as prometheus_client keeps them)
+    and their sum; without its private per-bucket values, each is observed at its bucket's bound."""
+    buckets = getattr(histogram, "_buckets", None)
+    hsum = getattr(histogram, "_sum", None)
+    if buckets is not None and hsum is not None and len(buckets) == len(counts):
+        for bucket, n in zip(buckets, counts):
+            if n:
+                bucket.inc(n)
+        hsum.inc(total)
+        return
+    for bound, n in zip(ITL_BUCKETS, counts):
+        for _ in range(n):
+            histogram.observe(min(bound, 1e9))
 
 
 def _observe_zeros(histogram: Histogram, k: int) -> None:

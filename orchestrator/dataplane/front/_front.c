@@ -64,6 +64,7 @@
 #define SWEEP_MS 100
 #define MAX_DROP 32
 #define MAX_TOKENS 16
+#define MAX_ITL 32 /* inter-token histogram bounds */
 
 enum kind { K_LISTEN, K_CLIENT, K_UP };
 enum up_state { U_IDLE, U_CONNECTING, U_SENDING, U_HEAD, U_BODY };
@@ -105,6 +106,9 @@ typedef struct client {
     int nl;      /* the last data relayed ended in one newline of an event's two */
     int wants_first;         /* decide() asked for first() (a routing model learns from it at once) */
     double head_at, first_at; /* when the answer's head came, when its first event went (0: not yet) */
+    double last_event_at;     /* the latest event's, for the gap to the next (inter-token time) */
+    double itl_sum;           /* the stream's inter-token times, as the histogram's sum and buckets */
+    long itl[MAX_ITL + 1];
 } client_t;
 
 struct up {
@@ -150,6 +154,8 @@ static long long head_ms, body_ms, keepalive_ms;
 static PyObject *head_answer, *body_answer;
 static long long now_ms, last_sweep_ms;
 static long long connect_ms, idle_ms; /* the instance's: to connect, and between its bytes */
+static double itl_bounds[MAX_ITL];    /* the inter-token histogram's upper bounds (metrics.py's), +Inf after */
+static int n_itl;
 static int draining;                  /* stopping: no connection is kept after its answer */
 static client_t *clients; /* every open client */
 static long n_open;       /* their number */
@@ -273,8 +279,19 @@ static void finish(client_t *c, int outcome) {
     c->ctx = NULL;
     served++;
     if (release_cb != NULL) {
-        PyObject *r = PyObject_CallFunction(release_cb, "Oiildd", ctx, c->status, outcome, c->events, c->head_at,
-                                            c->first_at);
+        PyObject *itl = Py_None;  /* (sum, counts per bucket) where the stream had gaps to count */
+        Py_INCREF(itl);
+        if (c->events > 1 && n_itl) {
+            PyObject *counts = PyTuple_New(n_itl + 1);
+            for (int i = 0; counts != NULL && i <= n_itl; i++) PyTuple_SET_ITEM(counts, i, PyLong_FromLong(c->itl[i]));
+            if (counts != NULL) {
+                Py_DECREF(itl);
+                itl = Py_BuildValue("(dN)", c->itl_sum, counts);
+            }
+        }
+        PyObject *r = itl == NULL ? NULL : PyObject_CallFunction(release_cb, "OiilddO", ctx, c->status, outcome,
+                                                                 c->events, c->head_at, c->first_at, itl);
+        Py_XDECREF(itl);
         if (r == NULL) PyErr_Print();
         Py_XDECREF(r);
     }
@@ -525,7 +542,8 @@ static void start_upstream(client_t *c, int inst) {
     c->peek = 0;
     c->pk_len = 0;
     c->events = c->nl = 0;
-    c->head_at = c->first_at = 0;
+    c->head_at = c->first_at = c->itl_sum = 0;
+    memset(c->itl, 0, sizeof c->itl);
     up_t *u = idle[inst];
     if (u != NULL) {
         idle[inst] = u->next_idle;
@@ -576,7 +594,23 @@ static void sse_feed(client_t *c, const char *p, size_t n) {
     for (const char *q = p, *end = p + n - 1; q < end && (q = memchr(q, '\n', (size_t)(end - q))) != NULL; q++)
         if (q[1] == '\n') k++, q++;  /* non-overlapping, as bytes.count */
     c->nl = p[n - 1] == '\n' && !(n >= 2 && p[n - 2] == '\n');
-    if (k && c->events == 0) c->first_at = clock_s();
+    if (k && n_itl) {  /* the gap since the stream's last event, then those that came with it: 0 */
+        double now = clock_s();
+        if (c->events > 0) {
+            double gap = now - c->last_event_at;
+            int b = 0;
+            while (b < n_itl && gap > itl_bounds[b]) b++;
+            c->itl[b]++;
+            c->itl_sum += gap;
+        }
+        int zero = 0;
+        while (zero < n_itl && 0.0 > itl_bounds[zero]) zero++;
+        c->itl[zero] += k - 1;
+        c->last_event_at = now;
+        if (c->events == 0) c->first_at = now;
+    } else if (k && c->events == 0) {
+        c->first_at = clock_s();
+    }
     if (k && c->events == 0 && c->wants_first && first_cb != NULL && c->ctx != NULL) {
         PyObject *r = PyObject_CallOneArg(first_cb, c->ctx);
         if (r == NULL) PyErr_Print();
@@ -1260,17 +1294,29 @@ static int names_into(PyObject *names, char table[][32], const char *what) {
 static PyObject *setup(PyObject *args, PyObject *kw) {
     static char *names[] = {"listen_fd", "ports", "decide", "release", "handoff", "hot_suffixes", "max_body",
                             "request_drop", "response_drop", "limits", "head_answer", "body_answer", "trusted",
-                            "retry", "answered", "upstream", "first", NULL};
+                            "retry", "answered", "upstream", "first", "itl_bounds", NULL};
     int lfd;
     long long mb = MAX_REQUEST;
     double lim[3] = {0, 0, 0}, ups[2] = {0, 0};
     PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None, *rqd = Py_None,
              *rsd = Py_None, *limits = Py_None, *ha = Py_None, *ba = Py_None, *tr = Py_None, *rt = Py_None,
-             *an = Py_None, *upstream = Py_None, *fi = Py_None;
+             *an = Py_None, *upstream = Py_None, *fi = Py_None, *bounds = Py_None;
     if (ep >= 0) return PyErr_Format(PyExc_RuntimeError, "one front per process: started already");
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOLOOOSSOOOOO", names, &lfd, &ports, &dec, &rel, &hand,
-                                     &suffixes, &mb, &rqd, &rsd, &limits, &ha, &ba, &tr, &rt, &an, &upstream, &fi))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|OOOOLOOOSSOOOOOO", names, &lfd, &ports, &dec, &rel, &hand,
+                                     &suffixes, &mb, &rqd, &rsd, &limits, &ha, &ba, &tr, &rt, &an, &upstream, &fi,
+                                     &bounds))
         return NULL;
+    n_itl = 0;
+    if (bounds != Py_None) {
+        PyObject *seq = PySequence_Fast(bounds, "itl_bounds: a sequence of floats");
+        if (seq == NULL) return NULL;
+        Py_ssize_t nb = PySequence_Fast_GET_SIZE(seq);
+        for (Py_ssize_t i = 0; i < nb && i < MAX_ITL; i++) itl_bounds[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        Py_DECREF(seq);
+        if (PyErr_Occurred()) return NULL;
+        if (nb > MAX_ITL) return PyErr_Format(PyExc_ValueError, "itl_bounds: %d at most", MAX_ITL);
+        n_itl = (int)nb;
+    }
     if (limits != Py_None && !PyArg_ParseTuple(limits, "ddd", &lim[0], &lim[1], &lim[2]))
         return NULL;
     if (upstream != Py_None && !PyArg_ParseTuple(upstream, "dd", &ups[0], &ups[1]))
@@ -1591,7 +1637,7 @@ static PyObject *front_shutdown(PyObject *self, PyObject *unused) {
     if (ep >= 0) close(ep);
     ep = listen_fd = -1;
     for (int i = 0; i < n_inst; i++) inflight[i] = 0, last_pick[i] = 0;
-    n_inst = n_hot = n_req_drop = n_resp_drop = hygiene = draining = 0;
+    n_inst = n_hot = n_req_drop = n_resp_drop = hygiene = draining = n_itl = 0;
     picks = cut_head = cut_body = closed_idle = served = 0;
     body_max = MAX_REQUEST;
     head_ms = body_ms = keepalive_ms = connect_ms = idle_ms = 0;

@@ -19,6 +19,7 @@ from typing import Any
 from orchestrator import native
 from orchestrator.dataplane.client_guard import ClientLimits, body_timeout_answer, head_timeout_answer
 from orchestrator.dataplane.headers import RESPONSE_DROP, UNTRUSTED_REQUEST_DROP, TrustedPeers
+from orchestrator.dataplane.metrics import ITL_BUCKETS
 
 NATIVE = native.load("orchestrator.dataplane.front._front")
 
@@ -146,6 +147,7 @@ class Front:
         epfd = NATIVE.start(-1, [], decide=path.decide, release=path.release, retry=path.retry,
                             answered=path.answered, first=path.first, handoff=self._handoff,
                             upstream=(settings.connect_timeout_s, settings.idle_timeout_s),
+                            itl_bounds=[b for b in ITL_BUCKETS if b != float("inf")],
                             **rules(limits, keepalive_s, settings.max_body_bytes, TrustedPeers(settings.trusted_proxy)))
         self._undrive = drive(loop, epfd, DRAIN_ROUNDS, self._count_closed)
 

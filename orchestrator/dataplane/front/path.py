@@ -9,17 +9,17 @@ turn of the request's life, on the worker's loop thread (the front runs inside t
     answered(request, status, body) -> (slot, request) | bytes | False | None: relay the error answer
     first(request)                  the first SSE event reached the client, where decide asked (True:
                                     a routing model learns its prefill is done then, not at the end)
-    release(request, status, outcome, events, head_at, first_at)   once, when the request is over:
-                                    the time to first token and the instance's latency come from
-                                    the front's own clock (time.monotonic's), taken as they happened
+    release(request, status, outcome, events, head_at, first_at, itl)   once, when the request is
+                                    over: the time to first token, the instance's latency and the
+                                    inter-token times (counted per bucket) from the front's own
+                                    clock (time.monotonic's), taken as they happened
 
 The rules are EmbeddedProxy's, not copies: the surface's classification (a route that is not a
 public native generation, or admin, goes to aiohttp, which answers it as always), the hold (no
 instance ready: aiohttp holds it), the balancer's pick, acquire and release, the refusals retried
 elsewhere (`_refusal`), a failed attempt's accounting (`_attempt_failed`), passive health
 (`_settle`, `_upstream_failed`) and the metrics. What the front does not do yet that the embedded
-path does: --first-byte-timeout-s (where it is set, the front hands every request to aiohttp),
-and inter-token times (the front reports a stream's events at its end).
+path does: --first-byte-timeout-s (where it is set, the front hands every request to aiohttp).
 
 State: each request's `_FrontRequest`, owned by the front (it holds it from decide to release).
 """
@@ -203,7 +203,7 @@ class FrontPath:
             request.timer.events(b.instance_id)
 
     def release(self, request: _FrontRequest, status: int, outcome: int, events: int, head_at: float,
-                first_at: float) -> None:
+                first_at: float, itl: tuple[float, tuple[int, ...]] | None = None) -> None:
         p = self._proxy
         b = request.backend
         try:
@@ -223,6 +223,8 @@ class FrontPath:
                     timer.events(iid, 1, now=first_at)
                 if events > 1:
                     timer.later_events(iid, events - 1)
+                    if itl is not None:
+                        timer.inter_token_counts(iid, *itl)
                 elif events == 0 and outcome == DONE:
                     timer.events(iid)  # not a stream: the whole answer is its one event
             if outcome == CUT or outcome == IDLE:
