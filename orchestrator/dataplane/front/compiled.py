@@ -1,8 +1,10 @@
-"""The compiled front's rules, from the product's one definitions, and its hand-off to aiohttp.
+"""A worker's compiled front (`Front`): its start on the event loop, its rules from the product's
+one definitions, the connections it adopts and hands off to aiohttp, its stop.
 
 State: the C module (_front.c) owns its connections, kept instance connections and per-instance
-counts, in the worker process that started it (one front per process). Python owns the rules it is
-given here and every connection it hands off.
+counts, in the worker process that started it (one front at a time per process). Each request's
+Python state is path.py's `_FrontRequest`, held by the front from decide to release. aiohttp owns
+every connection the front hands off.
 
 `NATIVE` is the module, or None where it was not built (setup.py builds it where a C compiler is)
 or where TRTLLM_ORCH_PURE_PYTHON=1 leaves it out.
