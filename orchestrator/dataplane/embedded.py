@@ -20,6 +20,10 @@ What counts against an instance (its passive health, reached through its
 Backend): transport errors, timeouts and 5xx answers. A 4xx is the request's
 fault, a 503 or a full queue is the instance saying "busy": neither ejects it.
 
+With --front compiled a worker's native generations take the compiled front instead
+(orchestrator/dataplane/front/): the same rules, called from C (`_refusal`, `_attempt_failed`,
+`_settle`, the balancer, the metrics), and every other request comes here with its connection.
+
 Lifecycle (one owner, fixed order): start() creates the client session, then
 binds the public listener, then the metrics listener; stop() stops accepting,
 waits for in-flight requests up to the grace, cancels the rest (which closes
@@ -207,7 +211,7 @@ class EmbeddedProxy:
                                     settings.max_client_connections)
         for server in self._servers:
             server.limits = self._limits
-        if getattr(self, "_front", None) is not None:
+        if self._front is not None:
             self._front.configure(settings, self._limits, CLIENT_KEEPALIVE_S)
         if self._openai is not None:
             self._openai.apply_settings(settings)
