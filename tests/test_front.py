@@ -370,7 +370,7 @@ def test_slow_clients_are_cut_and_idle_ones_closed(front_built, echo, tmp_path):
             assert read_response(s)[0] == 200
             began = time.monotonic()
             assert closed_after(s) == b""  # kept, then closed once idle past the keep-alive
-            assert time.monotonic() - began >= 1.0
+            assert time.monotonic() - began >= 0.5  # not at once: 1.2 s after the answer (read late on a busy box)
     finally:
         stop(proc)
 
