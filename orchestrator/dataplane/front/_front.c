@@ -239,7 +239,8 @@ static void slot_taken(int slot) {
 
 /* Python's word on where a request goes: (slot, ctx) -> the slot (ctx kept for the request); bytes ->
  * -2 and the answer to send instead in *answer_out (a new reference); None -> -3 (decide(): hand it
- * off; answered(): relay the answer); False -> -4 (hand it off); anything else, or an error -> -1. Takes `r` (a new reference, or NULL with an exception). */
+ * off; answered(): relay the answer); False -> -4 (hand it off); anything else, or an error -> -1.
+ * Takes `r` (a new reference, or NULL with an exception). */
 static int route_reply(client_t *c, PyObject *r, PyObject **answer_out) {
     int slot = -1;
     *answer_out = NULL;
@@ -642,7 +643,8 @@ static size_t body_feed(up_t *u, const char *p, size_t n) {
             } else if (ch == ';') {
                 u->cstate = C_EXT;
             } else if (ch != '\r' && ch != ' ' && ch != '\t') {
-                int d = (ch >= '0' && ch <= '9') ? ch - '0' : (ch | 32) >= 'a' && (ch | 32) <= 'f' ? (ch | 32) - 'a' + 10 : -1;
+                int lower = ch | 32;
+                int d = (ch >= '0' && ch <= '9') ? ch - '0' : lower >= 'a' && lower <= 'f' ? lower - 'a' + 10 : -1;
                 if (d < 0 || u->remain > (1LL << 40)) { u->keep = 0; u->until_close = 1; return n; }
                 u->remain = u->remain * 16 + d;
             }
@@ -1186,8 +1188,12 @@ static void client_writable(client_t *c) {
         c->out_off += (size_t)w;
     }
     c->out_len = c->out_off = 0;
-    if (c->resp_done) request_done(c);
-    else if (c->up != NULL && c->up->state >= U_HEAD) up_readable(c->up);  /* resume the relay */
+    if (c->resp_done) {
+        request_done(c);
+    } else if (c->up != NULL && c->up->state >= U_HEAD) {  /* resume the relay, the instance's clock anew */
+        if (idle_ms) c->up->deadline_ms = now_ms + idle_ms;
+        up_readable(c->up);
+    }
 }
 
 static void client_event(client_t *c, unsigned events) {
@@ -1311,7 +1317,8 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
         PyObject *seq = PySequence_Fast(bounds, "itl_bounds: a sequence of floats");
         if (seq == NULL) return NULL;
         Py_ssize_t nb = PySequence_Fast_GET_SIZE(seq);
-        for (Py_ssize_t i = 0; i < nb && i < MAX_ITL; i++) itl_bounds[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        for (Py_ssize_t i = 0; i < nb && i < MAX_ITL; i++)
+            itl_bounds[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
         Py_DECREF(seq);
         if (PyErr_Occurred()) return NULL;
         if (nb > MAX_ITL) return PyErr_Format(PyExc_ValueError, "itl_bounds: %d at most", MAX_ITL);
@@ -1406,8 +1413,10 @@ static void sweep_clients(void) {
                 (void)to_client(c, &iov, 1);  /* best effort: the connection closes either way */
             }
             client_close(c);
-        } else if (c->up != NULL && c->up->deadline_ms && now_ms >= c->up->deadline_ms) {
-            up_t *u = c->up;  /* the instance is silent: connect, head or next bytes overdue */
+        } else if (c->up != NULL && c->up->deadline_ms && now_ms >= c->up->deadline_ms && c->out_len == c->out_off) {
+            /* The instance is silent: connect, head or next bytes overdue (not while the relay waits
+             * for a slow client to read: the instance is not read then, and not to blame). */
+            up_t *u = c->up;
             if (u->state == U_CONNECTING) up_failed(u, R_CONNECT_TIMEOUT);
             else if (u->state != U_BODY) up_failed(u, R_HEADER_TIMEOUT);
             else if (c->peek) up_failed(u, R_DISCONNECTED);  /* as the embedded path's error peek */
