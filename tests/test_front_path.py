@@ -158,6 +158,24 @@ async def test_an_instance_that_refuses_connections_is_passed_over_and_a_silent_
         await good.close()
 
 
+async def test_a_request_with_bare_line_feeds_is_answered_by_aiohttp():
+    """A head whose lines end in a bare LF: the front hands it to aiohttp, which answers it as
+    without the front (its 400), at once, instead of the front waiting for a CRLF CRLF that never
+    comes (a 408 after the head deadline, before)."""
+    up = await AppUpstream().start()
+    try:
+        async with Front(up) as f:
+            reader, writer = await asyncio.open_connection("127.0.0.1", f.sock.getsockname()[1])
+            body = b'{"text_input": "x"}'
+            writer.write(b"POST %s HTTP/1.1\nHost: x\nContent-Length: %d\n\n%s" % (GEN.encode(), len(body), body))
+            answer = await asyncio.wait_for(reader.read(4096), 5)
+            assert answer.startswith(b"HTTP/1.0 400 Bad Request"), answer[:200]
+            assert NATIVE.stats()["served"] == 0 and up.requests == []
+            writer.close()
+    finally:
+        await up.close()
+
+
 async def test_what_is_not_a_public_generation_is_answered_by_aiohttp():
     up = await AppUpstream().start()
     try:

@@ -1097,6 +1097,10 @@ static int front_serves(client_t *c, size_t head_len, const request_t *rq) {
 static void try_request(client_t *c) {
     char *end = memmem(c->in, c->in_len, "\r\n\r\n", 4);
     if (end == NULL) {
+        if (handoff_cb != NULL && memmem(c->in, c->in_len, "\n\n", 2) != NULL) {
+            hand_off(c);  /* a head with bare line feeds: aiohttp reads it as it always has */
+            return;
+        }
         if (c->in_len > HEAD_MAX) {
             if (handoff_cb != NULL) { hand_off(c); return; }  /* aiohttp answers an oversized head */
             answer(c, R413, sizeof R413 - 1);

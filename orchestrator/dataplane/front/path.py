@@ -94,7 +94,8 @@ class FrontPath:
 
     def decide(self, head: bytes, body: bytes) -> tuple[int, _FrontRequest] | None:
         p = self._proxy
-        target = head[head.index(b" ") + 1:head.index(b" HTTP/1.1\r\n")].decode("latin-1")
+        # the request line's target (the front took only "POST <target> HTTP/1.1", CRLF or bare LF)
+        target = head[:head.index(b"\n")].split(b" ")[1].decode("latin-1")
         raw_path = target.partition("?")[0]
         route = p._surface.route("POST", raw_path)
         # Everything but a public native generation is aiohttp's to answer (admin: 403 or forwarded
