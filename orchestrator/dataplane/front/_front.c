@@ -487,19 +487,22 @@ static void peek_done(up_t *u) {
     answer_sent(c);
 }
 
-static int pk_put(client_t *c, const char *p, size_t n) {
-    if (c->pk_len + n > c->pk_cap) {
-        size_t cap = c->pk_cap ? c->pk_cap : 4096;
-        while (cap < c->pk_len + n) cap *= 2;
-        char *k = realloc(c->pk, cap);
-        if (k == NULL) return -1;
-        c->pk = k;
-        c->pk_cap = cap;
+/* p[0, n) appended to a buffer that grows as needed (doubling from 4 KiB); -1: out of memory. */
+static int buf_put(char **buf, size_t *len, size_t *cap, const char *p, size_t n) {
+    if (*len + n > *cap) {
+        size_t want = *cap ? *cap : 4096;
+        while (want < *len + n) want *= 2;
+        char *grown = realloc(*buf, want);
+        if (grown == NULL) return -1;
+        *buf = grown;
+        *cap = want;
     }
-    memcpy(c->pk + c->pk_len, p, n);
-    c->pk_len += n;
+    memcpy(*buf + *len, p, n);
+    *len += n;
     return 0;
 }
+
+static int pk_put(client_t *c, const char *p, size_t n) { return buf_put(&c->pk, &c->pk_len, &c->pk_cap, p, n); }
 
 static void idle_remove(up_t *u) {
     for (up_t **p = &idle[u->inst]; *p; p = &(*p)->next_idle)
@@ -1039,19 +1042,7 @@ static void parse_request(const char *head, size_t head_len, request_t *rq) {
     }
 }
 
-static int fwd_put(client_t *c, const char *p, size_t n) {
-    if (c->fwd_len + n > c->fwd_cap) {
-        size_t cap = c->fwd_cap ? c->fwd_cap : 4096;
-        while (cap < c->fwd_len + n) cap *= 2;
-        char *f = realloc(c->fwd, cap);
-        if (f == NULL) return -1;
-        c->fwd = f;
-        c->fwd_cap = cap;
-    }
-    memcpy(c->fwd + c->fwd_len, p, n);
-    c->fwd_len += n;
-    return 0;
-}
+static int fwd_put(client_t *c, const char *p, size_t n) { return buf_put(&c->fwd, &c->fwd_len, &c->fwd_cap, p, n); }
 
 /* The head the instance gets, without Host and the blank line (start_upstream adds them with the
  * body): the request line as it came, the headers but those dropped, the forwarding headers rebuilt
