@@ -42,11 +42,12 @@ from typing import Any
 
 from orchestrator import release
 from orchestrator.config import Settings, settings_from_json
-from orchestrator.dataplane import shared_cells
+from orchestrator.dataplane import metric_values, shared_cells
 from orchestrator.dataplane.accept_share import AcceptShare
 from orchestrator.dataplane.away_probe import AwayProber
 from orchestrator.dataplane.feed import FeedClient
 from orchestrator.dataplane.membership import WorkerMembership
+from orchestrator.dataplane.metric_values import TurnBatched
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.dataplane.shared_pending import SharedPending
 from orchestrator.dataplane.shared_stamps import SharedStamps
@@ -103,8 +104,10 @@ def handover_path(state_dir: Path) -> Path:
 
 class Worker:
     def __init__(self, state_dir: Path, slot: int, settings: Settings,
-                 sockets: dict[str, socket.socket], log: logging.Logger) -> None:
+                 sockets: dict[str, socket.socket], log: logging.Logger,
+                 batched_values: TurnBatched | None = None) -> None:
         self.state_dir = state_dir
+        self._metric_values = batched_values  # where set: this worker's metrics, written once per loop turn
         self.slot = slot
         self.settings = settings
         self._sockets = sockets
@@ -121,6 +124,8 @@ class Worker:
     async def run(self) -> int:
         from orchestrator.dataplane.metrics import ProxyMetrics  # after PROMETHEUS_MULTIPROC_DIR is read
         loop = asyncio.get_running_loop()
+        if self._metric_values is not None:
+            self._metric_values.bind(loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         table = SharedTable.open(table_path(self.state_dir))
@@ -137,6 +142,8 @@ class Worker:
         self.membership = WorkerMembership(backends, table, self.feed.send, self.settings.outlier_failures)
         metrics = ProxyMetrics()
         metrics.extra_collectors.append(WorkerCollector(table))
+        if self._metric_values is not None:
+            metrics.write_through = self._metric_values.flush
         self.metrics = metrics
         self.proxies = self._make_proxies(backends, metrics, table)
         # Owned here, cancelled below.
@@ -167,6 +174,8 @@ class Worker:
             table.clear_worker(self.slot)
             if self.pending is not None:
                 self.pending.clear_worker(self.slot)
+            if self._metric_values is not None:
+                self._metric_values.flush()  # the last turn's counts, before the process ends
         return 0
 
     def _open_pending(self, table: SharedTable) -> SharedPending | None:
@@ -371,23 +380,17 @@ def main(argv: list[str] | None = None) -> int:
             sockets[name] = sock
     from orchestrator.dataplane.embedded import install_uvloop_if_available
     install_uvloop_if_available()
-    _pid_once_for_metrics()
-    worker = Worker(args.state_dir, args.slot, settings, sockets, log)
+    worker = Worker(args.state_dir, args.slot, settings, sockets, log, _batched_metric_values())
     return asyncio.run(worker.run())
 
 
-def _pid_once_for_metrics() -> None:
-    """prometheus_client's multiprocess values ask os.getpid() on every increment (to notice
-    a fork): nine system calls per request, 13-17% of a worker's CPU on a tiny answer in a
-    py-spy --native profile (a firecracker VM, where a system call is dear). A worker never
-    forks, so its pid is read once. Before any metric exists: each value takes the class
-    when it is made."""
+def _batched_metric_values() -> TurnBatched | None:
+    """Where the worker's metrics are multiprocess files (always, under the daemon), their values
+    are written once per loop turn (metric_values.py says why). Before any metric exists: each
+    value takes the class when it is made."""
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return
-    from prometheus_client import values
-    pid = os.getpid()
-    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
-
+        return None
+    return metric_values.install(os.getpid())
 
 if __name__ == "__main__":
     sys.exit(main())
