@@ -532,23 +532,24 @@ async def raw_ttft(ports: list[int], streams: int, seconds: float) -> dict[str, 
             "p99_ms": pct(ttft, 99)}
 
 
-def profile(out_dir: Path, stamp: str, seconds: float, ncpu: int) -> str | None:
-    """A py-spy flame graph of one worker relaying streams (W=1)."""
+def profile(out_dir: Path, stamp: str, seconds: float, ncpu: int, front: bool = False) -> str | None:
+    """A py-spy flame graph of one worker relaying streams (W=1); `front`: the worker of
+    --front compiled, its C frames too (--native)."""
     from bench.common import free_port
     spy = shutil.which("py-spy")
     if spy is None:
         log("py-spy not found: no flame graph")
         return None
     cores = layout(1, ncpu)
-    svg = out_dir / f"dataplane_bench-{stamp}-worker.svg"
+    svg = out_dir / f"dataplane_bench-{stamp}-{'front-' if front else ''}worker.svg"
     with Sources(SOURCES, EVENTS, 0) as sources:
         sources.pin(cores[1])
-        with Embedded(1, sources.ports, free_port()) as target:
+        with (EmbeddedFront if front else Embedded)(1, sources.ports, free_port()) as target:
             pid = target.pids()[0]
             pin(pid, [0])
             url = f"http://127.0.0.1:{target.port}{STREAM_PATH}"
             spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
-                                         "-o", str(svg), "-f", "flamegraph", "--nonblocking"],
+                                         "-o", str(svg), "-f", "flamegraph", "--nonblocking", *(["--native"] if front else [])],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             run_wrk(url, BODY, connections=CONNECTIONS, seconds=seconds, threads=len(cores[2]), cpus=tuple(cores[2]))
             _, err = spy_proc.communicate(timeout=60)
@@ -695,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-seconds", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--profile-front", action="store_true",
+                    help="profile the worker of --front compiled (with its C frames), not aiohttp's")
     ap.add_argument("--targets", default=",".join(name for name, _ in TARGETS),
                     help="a subset of " + ", ".join(name for name, _ in TARGETS))
     ap.add_argument("--long-events", type=int, default=0,
@@ -747,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     log("time to first event")
     result["ttft"] = ttft(default_w, args.ttft_seconds, ncpu)
     if not args.no_profile:
-        result["profile_svg"] = profile(args.out, stamp, 6, ncpu)
+        result["profile_svg"] = profile(args.out, stamp, 6, ncpu, args.profile_front)
     result["goals"] = goals(result)
     path = args.out / f"dataplane_bench-{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -30,7 +30,13 @@ def test_the_compiled_front_serves_generations_counted_as_the_client_saw_them(or
     stream_ttft, plain_ttft, sse_events = asyncio.run(_http_load(run.url("/v2/models/ensemble")))
     assert sse_events == N_STREAM * TOKENS
 
+    # A worker counts a request just after its answer (front/path.py: `account`),
+    # and a scrape through one worker reads the others' counts as they last wrote them.
+    deadline = time.monotonic() + 5
     m = scrape(run.metrics_port)
+    while total(m, "trtllm_orch_proxy_requests_total", code="200") < N_STREAM + N_PLAIN and time.monotonic() < deadline:
+        time.sleep(0.05)
+        m = scrape(run.metrics_port)
     ttft = "trtllm_orch_proxy_time_to_first_token_seconds"
     assert total(m, f"{ttft}_count", api="generate_stream") == N_STREAM
     assert total(m, f"{ttft}_count", api="generate") == N_PLAIN

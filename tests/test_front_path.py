@@ -60,6 +60,8 @@ class Front:
         self.sock.close()
 
     def metric(self, name: str, **labels: str) -> float:
+        """As a scrape reads it (the counting queued after the answers done first)."""
+        self.proxy.metrics.settle()
         return self.proxy.metrics.registry.get_sample_value(name, labels) or 0.0
 
     async def post(self, path: str = GEN, **kw: object) -> tuple[int, bytes, dict[str, str]]:

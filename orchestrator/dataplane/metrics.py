@@ -122,6 +122,10 @@ class ProxyMetrics:
         # of any worker adds them all up (prometheus_client's multiprocess mode).
         self.multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
         self.extra_collectors: list[Any] = []  # served beside ours (the workers' own table)
+        # Counting queued for after the answers (the compiled front's, front/path.py): done before
+        # a read of the metrics, on the loop that queued it.
+        self.unsettled: list[Callable[[], None]] = []
+        self.write_through: Callable[[], None] | None = None  # a worker's values, to its file now
         self._engines = EngineCollector()
         r.register(self._engines)
         self._held_gauges: dict[str, Callable[[], int]] = {}
@@ -238,8 +242,16 @@ class ProxyMetrics:
     def held_now(self) -> int:
         return sum(count() for count in self._held_gauges.values())
 
+    def settle(self) -> None:
+        """Count what is queued (see `unsettled`): from the loop thread, before reading."""
+        for account in self.unsettled:
+            account()
+        if self.write_through is not None:  # a scrape reads this worker's values from its file
+            self.write_through()
+
     async def render_off_loop(self) -> bytes:
         """`render()` on the process's render thread: what a /metrics handler serves."""
+        self.settle()
         global _render_pool
         with _render_pool_lock:
             if _render_pool is None:  # idle threads end with the process; none before the first scrape

@@ -96,11 +96,20 @@ class HandOff:
             await asyncio.wait(list(self._tasks))
 
 
-def drive(loop: asyncio.AbstractEventLoop, epfd: int, rounds: int,
-          after_sweep: Callable[[], None] | None = None) -> Callable[[], None]:
+def drive(loop: asyncio.AbstractEventLoop, epfd: int, rounds: int, after_sweep: Callable[[], None] | None = None,
+          after_poll: Callable[[], None] | None = None) -> Callable[[], None]:
     """Run a started front on `loop`: poll() when its epoll fd is readable (up to `rounds` batches per
-    wakeup), sweep() every SWEEP_S (then `after_sweep`). Returns what stops it."""
-    loop.add_reader(epfd, NATIVE.poll, rounds)
+    wakeup, then `after_poll`), sweep() every SWEEP_S (then `after_sweep`). Returns what stops it."""
+    if after_poll is None:
+        loop.add_reader(epfd, NATIVE.poll, rounds)
+    else:
+        def ready() -> None:
+            try:
+                NATIVE.poll(rounds)
+            finally:
+                after_poll()
+
+        loop.add_reader(epfd, ready)
     timer: list[asyncio.TimerHandle] = []
 
     def tick() -> None:
@@ -151,9 +160,10 @@ class Front:
                             upstream=(settings.connect_timeout_s, settings.idle_timeout_s),
                             itl_bounds=[b for b in ITL_BUCKETS if b != float("inf")],
                             **rules(limits, keepalive_s, settings.max_body_bytes, TrustedPeers(settings.trusted_proxy)))
-        self._undrive = drive(loop, epfd, DRAIN_ROUNDS, self._count_closed)
+        self._undrive = drive(loop, epfd, DRAIN_ROUNDS, self._after_sweep, after_poll=path.account)
 
-    def _count_closed(self) -> None:
+    def _after_sweep(self) -> None:
+        self.path.account()  # what a sweep's deadlines ended, and what an abort() did
         now = NATIVE.open_count()
         if now < self._open_seen and self.on_closed is not None:
             self.on_closed()
@@ -200,5 +210,6 @@ class Front:
         if self._undrive is not None:
             self._undrive()
         NATIVE.shutdown()  # every connection closes; another front may start in this process
+        self.path.account()  # the counting still queued, the cut requests' too
         if self._handoff is not None:
             await self._handoff.wrapped()
