@@ -549,7 +549,7 @@ def profile(out_dir: Path, stamp: str, seconds: float, ncpu: int, front: bool = 
             pin(pid, [0])
             url = f"http://127.0.0.1:{target.port}{STREAM_PATH}"
             spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
-                                         "-o", str(svg), "-f", "flamegraph", "--nonblocking", *(["--native"] if front else [])],
+                                         "-o", str(svg), "-f", "flamegraph", *(["--native"] if front else ["--nonblocking"])],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             run_wrk(url, BODY, connections=CONNECTIONS, seconds=seconds, threads=len(cores[2]), cpus=tuple(cores[2]))
             _, err = spy_proc.communicate(timeout=60)

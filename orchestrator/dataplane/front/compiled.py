@@ -160,7 +160,7 @@ class Front:
                             upstream=(settings.connect_timeout_s, settings.idle_timeout_s),
                             itl_bounds=[b for b in ITL_BUCKETS if b != float("inf")],
                             **rules(limits, keepalive_s, settings.max_body_bytes, TrustedPeers(settings.trusted_proxy)))
-        self._undrive = drive(loop, epfd, DRAIN_ROUNDS, self._after_sweep, after_poll=path.account)
+        self._undrive = drive(loop, epfd, DRAIN_ROUNDS, self._after_sweep, after_poll=path.after_poll)
 
     def _after_sweep(self) -> None:
         self.path.account()  # what a sweep's deadlines ended, and what an abort() did

@@ -15,11 +15,13 @@ turn of the request's life, on the worker's loop thread (the front runs inside t
                                     clock (time.monotonic's), taken as they happened
 
 What is only counted (metrics, the worker's tally) is done after the bytes, not on their way:
-FrontPath queues it, and `account` runs the queue when the front's poll returns (the request is
-with the instance by then, or the answer with the client), at each sweep, and before the metrics
-are read. Idle, the interpreter runs a request's Python several times slower than in a busy loop
-(on the 2-core box: decide 230 us, release 180 us, against about 20 us each when busy); at one
-stream that was most of what the front added to the first token (+1.2-1.5 ms, NGINX +0.3 ms).
+FrontPath queues it, and `account` runs the queue ACCOUNT_AFTER_S after a poll that queued some
+(a timer armed as the poll returns), at each sweep, and before the metrics are read. Idle, the
+interpreter runs a request's Python several times slower than in a busy loop (on the 2-core box:
+decide 230 us, release 180 us, against about 20 us each when busy); at one stream that was most
+of what the front added to the first token (+1.2-1.5 ms, NGINX +0.3 ms). Run as the poll returned,
+the queue was still in the way: the instance's first event comes back tens of microseconds after
+the request went out, the client's next request as soon after the last answer.
 What routing depends on (the balancer's counts, passive health, a routing model's pick) is done
 at once, as before.
 
@@ -36,6 +38,7 @@ the queue of accounting still to do, owned by FrontPath (emptied by `account`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -59,6 +62,9 @@ _LLM_ACTIONS = frozenset({"generate", "generate_stream", "infer"})
 # The reasons for which a failed attempt does not count against the instance (the embedded path's
 # _Retryable(blame=False)): it said it was busy, or it had left rotation.
 _NOT_BLAMED = ("http_", "queue_full")
+# After the first event of a request sent now, after the next request of a client that answers at
+# once (tens of us busy, a few hundred idle); soon enough for /metrics, `status` and `top`.
+ACCOUNT_AFTER_S = 0.001
 
 
 def error_answer(status: int, message: str, extra: str = "") -> bytes:
@@ -92,15 +98,23 @@ class FrontPath:
         self._slots: dict[tuple[str, int], int] = {}
         self._log = log
         self._later: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._account_at: asyncio.TimerHandle | None = None
         proxy.metrics.unsettled.append(self.account)  # a read of the metrics counts what is queued
 
     def _defer(self, fn: Callable[..., Any], *args: Any) -> None:
         """Count this after the bytes (the module's doc says why)."""
         self._later.append((fn, args))
 
+    def after_poll(self) -> None:
+        """The front's poll returned: count what it queued a little later (the module's doc)."""
+        if self._later and self._account_at is None:
+            self._account_at = asyncio.get_running_loop().call_later(ACCOUNT_AFTER_S, self.account)
+
     def account(self) -> None:
-        """Do the queued counting now (after a poll, at a sweep, before a read of the metrics, at
-        the front's stop)."""
+        """Do the queued counting now (its timer, a sweep, a read of the metrics, the front's stop)."""
+        if self._account_at is not None:
+            self._account_at.cancel()
+            self._account_at = None
         if not self._later:
             return
         later, self._later = self._later, []
