@@ -549,7 +549,8 @@ def profile(out_dir: Path, stamp: str, seconds: float, ncpu: int, front: bool = 
             pin(pid, [0])
             url = f"http://127.0.0.1:{target.port}{STREAM_PATH}"
             spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
-                                         "-o", str(svg), "-f", "flamegraph", *(["--native"] if front else ["--nonblocking"])],
+                                         "-o", str(svg), "-f", "flamegraph",
+                                         *(["--native"] if front else ["--nonblocking"])],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             run_wrk(url, BODY, connections=CONNECTIONS, seconds=seconds, threads=len(cores[2]), cpus=tuple(cores[2]))
             _, err = spy_proc.communicate(timeout=60)
@@ -639,14 +640,16 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
         g[f"embedded/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
     for d in _present(result, "stream"):
         for w, r in (result.get(f"stream_{d}_ratio") or {}).items():
-            g[f"(design measured, not the product) {d}/nginx events at {w} workers"] = r
+            what = "the product with --front compiled" if d == "embedded-front" else "design measured, not the product"
+            g[f"({what}) {d}/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
     if "1" in st and "8" in st:
         s = round(st["8"]["events_per_s"] / st["1"]["events_per_s"], 2)
         g["1 -> 8 workers >= 6x"] = f"{s}x {'MET' if s >= 6 else 'MISSED'}"
     t = result.get("ttft") or {}
     if t:
-        a = t["streams_1"]["embedded"].get("added_p50_ms")
-        g["added TTFT p50 at 1 stream <= 0.3 ms"] = a
+        for name in ("embedded", "embedded-front"):
+            if name in t["streams_1"]:
+                g[f"{name}: added TTFT p50 at 1 stream <= 0.3 ms"] = t["streams_1"][name].get("added_p50_ms")
     return g
 
 
