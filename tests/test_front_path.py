@@ -92,6 +92,11 @@ async def test_streams_are_served_by_the_front_and_counted_as_the_embedded_path_
             ttft = f.metric("trtllm_orch_proxy_time_to_first_token_seconds_sum", instance="0", api="generate_stream")
             assert 0 < ttft < 3.0
             assert f.proxy.inflight() == {"0": 0}
+            assert f.metric("trtllm_orch_proxy_inflight_requests", instance="0") == 0
+            picks = [s.value for fam in f.proxy.metrics.registry.collect() for s in fam.samples
+                     if s.name == "trtllm_orch_proxy_routing_decisions_total" and s.labels["policy"] == policy]
+            assert sum(picks) == 3
+            assert f.proxy.metrics.recent.summary()["0"]["generations"] == 3
     finally:
         await up.close()
 

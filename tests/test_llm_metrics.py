@@ -280,3 +280,20 @@ async def test_a_scrape_does_not_stop_the_loop_that_relays_streams():
 
 async def _set(event) -> None:
     event.set()
+
+
+def test_many_observations_at_once_count_as_one_by_one():
+    """The compiled front's batches (front/ledger.py) fold a histogram's values at once: bounds
+    included, past the last finite bound, the same buckets and sum as observe() one by one."""
+    from prometheus_client import CollectorRegistry, Histogram
+    from orchestrator.dataplane.metrics import observe_many
+    values = [0.0, 0.001, 0.0011, 0.5, 0.5, 2.0, 1e9, 0.25]
+    one, many = (Histogram(name, "", buckets=(0.001, 0.25, 0.5, 1.0), registry=CollectorRegistry())
+                 for name in ("one", "many"))
+    for v in values:
+        one.observe(v)
+    observe_many(many, values)
+    samples = [[(s.name.split("_", 1)[1], s.labels, s.value) for s in next(iter(h.collect())).samples
+                if not s.name.endswith("_created")] for h in (one, many)]
+    assert samples[0] == samples[1]
+    assert ("bucket", {"le": "0.5"}, 6.0) in samples[1]

@@ -144,11 +144,12 @@ class EmbeddedProxy:
                  logger: logging.Logger | None = None, metrics: ProxyMetrics | None = None,
                  openai_only: bool = False, *, shared: Any = None,
                  sockets: dict[str, socket.socket] | None = None,
-                 tally: Callable[[], None] | None = None, accept_share: AcceptShare | None = None) -> None:
+                 tally: Callable[..., None] | None = None, accept_share: AcceptShare | None = None) -> None:
         """shared: a data-plane worker's view of the global in-flight counts and its own row
         (Balancer); sockets: listening sockets by flag name ("listen", "metrics_listen"), bound
         by the worker's supervisor and shared by every worker, instead of binding our own;
-        tally: called once per answered request (the worker's count in the shared table);
+        tally: called once per answered request, or with a count of them (the worker's count in the
+        shared table);
         accept_share: this worker's share of the shared public socket's connections."""
         self._settings = settings
         self._backends = backends

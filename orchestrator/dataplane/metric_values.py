@@ -78,10 +78,10 @@ class TurnBatched:
 
     def _mark(self, value: Any) -> None:
         """Under the lock."""
+        if value._marked:  # the loop's turn writes it, whichever thread changed it since
+            return
         if threading.get_ident() != self._loop_thread or self._loop is None or self._loop.is_closed():
             value._file.write_value(value._key, value._value, value._timestamp)
-            return
-        if value._marked:
             return
         value._marked = True
         if not self._marked:

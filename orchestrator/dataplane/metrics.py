@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from bisect import bisect_left
 import sys
 import threading
 import time
@@ -138,12 +139,12 @@ class ProxyMetrics:
         self._known_instances: set[str] = set()
 
     # --- per request (hot path) --------------------------------------------------
-    def count(self, instance: str, code: int) -> None:
+    def count(self, instance: str, code: int, n: int = 1) -> None:
         key = (instance, code)
         c = self._req_children.get(key)
         if c is None:
             c = self._req_children[key] = self.requests.labels(instance, str(code))
-        c.inc()
+        c.inc(n)
 
     def inflight_child(self, instance: str) -> Gauge:
         g = self._inflight_children.get(instance)
@@ -157,13 +158,36 @@ class ProxyMetrics:
             h = self._latency_children[instance] = self.latency.labels(instance)
         h.observe(seconds)
 
-    def routed(self, policy: str, reason: str, instance: str) -> None:
+    def routed(self, policy: str, reason: str, instance: str, n: int = 1, now: float | None = None) -> None:
         key = (policy, reason, instance)
         c = self._routing_children.get(key)
         if c is None:
             c = self._routing_children[key] = self.routing.labels(policy, reason, instance)
-        c.inc()
-        self.recent.routed(instance, reason, time.monotonic())
+        c.inc(n)
+        self.recent.routed(instance, reason, time.monotonic() if now is None else now, n)
+
+    # --- per batch (the compiled front's, front/ledger.py) ---------------------------
+    def observe_latencies(self, instance: str, seconds: list[float]) -> None:
+        h = self._latency_children.get(instance)
+        if h is None:
+            h = self._latency_children[instance] = self.latency.labels(instance)
+        observe_many(h, seconds)
+
+    def first_tokens(self, instance: str, api: str, firsts: list[tuple[float, float]]) -> None:
+        """Times to first token (seconds, when the event reached the client), as TokenTimer.events
+        observes each: the histogram and the recent window."""
+        observe_many(self.llm_children(instance, api)[0], [first for first, _ in firsts])
+        recent = self.recent
+        for first, at in firsts:
+            recent.first_token(instance, first, at)
+
+    def count_events(self, instance: str, api: str, n: int, now: float) -> None:
+        self.llm_children(instance, api)[2].inc(n)
+        self.recent.events(instance, n, now)
+
+    def inter_token_counts(self, instance: str, api: str, total: float, counts: list[int] | tuple[int, ...]) -> None:
+        """Inter-token times counted per bucket of ITL_BUCKETS (by the compiled front) and their sum."""
+        _observe_counts(self.llm_children(instance, api)[1], total, counts)
 
     def route_decision(self, decision: Any, timer: "TokenTimer") -> None:
         """The routing model's pick of a generation's attempt (Balancer.last_decision: None for
@@ -365,8 +389,7 @@ class TokenTimer:
             decision.abandoned()
 
     def events(self, instance: str, n: int = 1, now: float | None = None) -> None:
-        """`now`: when they reached the client, where that was earlier than the call (the compiled
-        front reports its first event's time at the request's end)."""
+        """`now`: when they reached the client, where that was earlier than the call."""
         if n <= 0:
             return
         if now is None:
@@ -380,11 +403,7 @@ class TokenTimer:
             first = now - self.started
             ttft.observe(first)
             recent.first_token(instance, first, now)
-            if self.decision is not None:
-                decision, self.decision = self.decision, None
-                # From the pick (a hold or an earlier attempt before it is not the model's to see).
-                since = now - decision.at
-                self._metrics.route_first_token(decision, since if 0.0 <= since <= first else first)
+            self.first_token(first, now)
         else:
             itl.observe(now - self._last)
         if n > 1:  # events that arrived in the same read came together
@@ -393,26 +412,38 @@ class TokenTimer:
         count.inc(n)
         recent.events(instance, n, now)
 
-    def inter_token_counts(self, instance: str, total: float, counts: tuple[int, ...]) -> None:
-        """A stream's inter-token times, counted per bucket of ITL_BUCKETS by the compiled front
-        (front/path.py): added to the histogram as its observe() would have, one by one."""
-        children = self._children
-        if children is None:
-            children = self._children = self._metrics.llm_children(instance, self.api)
-        _observe_counts(children[1], total, counts)
-
-    def later_events(self, instance: str, n: int) -> None:
-        """n events after the first, counted at once without their gaps: the compiled front
-        (front/path.py) reports a stream's events at its end, so it observes no inter-token
-        times."""
-        children = self._children
-        if children is None:
-            children = self._children = self._metrics.llm_children(instance, self.api)
-        children[2].inc(n)
-        self._metrics.recent.events(instance, n, time.monotonic())
+    def first_token(self, first: float, now: float) -> None:
+        """The routing model's pick, where one waits, learns its first token came `first` s after
+        the request (at `now`); the compiled front tells it so (front/path.py) and counts the
+        rest in its batch."""
+        if self.decision is not None:
+            decision, self.decision = self.decision, None
+            # From the pick (a hold or an earlier attempt before it is not the model's to see).
+            since = now - decision.at
+            self._metrics.route_first_token(decision, since if 0.0 <= since <= first else first)
 
 
-def _observe_counts(histogram: Histogram, total: float, counts: tuple[int, ...]) -> None:
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """Each of `values` observed, as observe() would one by one (a bucket is the first bound at
+    or above the value): one increment per bucket in use and one of the sum, where
+    prometheus_client's private per-bucket values are there; else one by one."""
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    hsum = getattr(histogram, "_sum", None)
+    if buckets is None or bounds is None or hsum is None or len(values) < 2:
+        for v in values:
+            histogram.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect_left(bounds, v)
+        counts[i] = counts.get(i, 0) + 1
+    for i, n in counts.items():
+        buckets[i].inc(n)
+    hsum.inc(sum(values))
+
+
+def _observe_counts(histogram: Histogram, total: float, counts: list[int] | tuple[int, ...]) -> None:
     """Observations already counted per bucket (non-cumulative, as prometheus_client keeps them)
     and their sum; without its private per-bucket values, each is observed at its bucket's bound."""
     buckets = getattr(histogram, "_buckets", None)

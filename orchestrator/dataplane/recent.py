@@ -160,12 +160,12 @@ class RecentLLM:
     def events(self, instance: str, n: int, now: float) -> None:
         self._second(instance, now)[1].events += n
 
-    def routed(self, instance: str, reason: str, now: float) -> None:
-        """A pick of `instance` by a policy that says why (cost-model: hit, miss, spill, load)."""
+    def routed(self, instance: str, reason: str, now: float, n: int = 1) -> None:
+        """n picks of `instance` by a policy that says why (cost-model: hit, miss, spill, load)."""
         s = self._second(instance, now)[1]
         if s.routes is None:
             s.routes = {}
-        s.routes[reason] = s.routes.get(reason, 0) + 1
+        s.routes[reason] = s.routes.get(reason, 0) + n
 
     def estimate_error(self, instance: str, relative: float, now: float) -> None:
         w, s = self._second(instance, now)

@@ -228,7 +228,7 @@ class Worker:
         shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane, routed),
                                turns)
         proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,
-                                            sockets=self._sockets, tally=lambda: table.add_requests(slot),
+                                            sockets=self._sockets, tally=lambda n=1: table.add_requests(slot, n),
                                             accept_share=AcceptShare(table, slot))]
         if s.grpc_listen:
             from orchestrator.dataplane.grpc_proxy import GrpcProxy

@@ -15,7 +15,8 @@ turn of the request's life, on the worker's loop thread (the front runs inside t
                                     clock (time.monotonic's), taken as they happened
 
 What is only counted (metrics, the worker's tally) is done after the bytes, not on their way:
-FrontPath queues it, and `account` runs the queue ACCOUNT_AFTER_S after a poll that queued some
+FrontPath notes it in a batch (ledger.py), and `account` folds the batch ACCOUNT_AFTER_S after a
+poll that noted some
 (a timer armed as the poll returns), at each sweep, and before the metrics are read. Idle, the
 interpreter runs a request's Python several times slower than in a busy loop (on the 2-core box:
 decide 230 us, release 180 us, against about 20 us each when busy); at one stream that was most
@@ -33,7 +34,7 @@ elsewhere (`_refusal`), a failed attempt's accounting (`_attempt_failed`), passi
 path does: --first-byte-timeout-s (where it is set, the front hands every request to aiohttp).
 
 State: each request's `_FrontRequest`, owned by the front (it holds it from decide to release);
-the queue of accounting still to do, owned by FrontPath (emptied by `account`).
+the batch of counts not folded yet (a Ledger), owned by FrontPath (spent by `account`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.dataplane.embedded import error_json
+from orchestrator.dataplane.front.ledger import Ledger
 from orchestrator.dataplane.metrics import NO_INSTANCE
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.llm_policies import RouteHints
@@ -75,7 +76,7 @@ def error_answer(status: int, message: str, extra: str = "") -> bytes:
 
 
 class _FrontRequest:
-    __slots__ = ("timer", "hints", "path", "tried", "backend", "gauge", "sent_at", "last", "first_seen")
+    __slots__ = ("timer", "hints", "path", "tried", "backend", "sent_at", "last", "first_seen")
 
     def __init__(self, timer: Any, hints: RouteHints | None, path: str) -> None:
         self.timer = timer
@@ -83,7 +84,6 @@ class _FrontRequest:
         self.path = path
         self.tried: list[str] = []
         self.backend: Backend | None = None  # the attempt in flight's instance
-        self.gauge: Any = None
         self.sent_at = 0.0
         self.last = "no attempt made"
         self.first_seen = False  # first() ran: the first event is counted already
@@ -97,32 +97,29 @@ class FrontPath:
         self._slot_of = slot_of  # _front.instance(host, port)
         self._slots: dict[tuple[str, int], int] = {}
         self._log = log
-        self._later: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._ledger = Ledger()
         self._account_at: asyncio.TimerHandle | None = None
-        proxy.metrics.unsettled.append(self.account)  # a read of the metrics counts what is queued
-
-    def _defer(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Count this after the bytes (the module's doc says why)."""
-        self._later.append((fn, args))
+        proxy.metrics.unsettled.append(self.account)  # a read of the metrics counts what is noted
 
     def after_poll(self) -> None:
-        """The front's poll returned: count what it queued a little later (the module's doc)."""
-        if self._later and self._account_at is None:
+        """The front's poll returned: count what it noted a little later (the module's doc)."""
+        if self._account_at is None and self._ledger:
             self._account_at = asyncio.get_running_loop().call_later(ACCOUNT_AFTER_S, self.account)
 
     def account(self) -> None:
-        """Do the queued counting now (its timer, a sweep, a read of the metrics, the front's stop)."""
+        """Fold what is noted into the metrics now (its timer, a sweep, a read of the metrics, the
+        front's stop)."""
         if self._account_at is not None:
             self._account_at.cancel()
             self._account_at = None
-        if not self._later:
+        ledger = self._ledger
+        if not ledger:
             return
-        later, self._later = self._later, []
-        for fn, args in later:
-            try:
-                fn(*args)
-            except Exception:  # one bad count must not lose the others
-                self._log.exception("front: counting a request failed")
+        self._ledger = Ledger()
+        try:
+            ledger.fold(self._proxy.metrics, self._proxy._tally, time.monotonic())
+        except Exception:  # a bug in counting must not stop the front
+            self._log.exception("front: counting a batch of requests failed")
 
     def slot_known(self, host: str, port: int) -> int:
         """The slot of an instance this front has sent to (-1: none)."""
@@ -175,12 +172,10 @@ class FrontPath:
             return None
         iid = b.instance_id
         request.tried.append(iid)
-        self._defer(p.metrics.routed, balancer.policy, balancer.last_reason, iid)
+        self._ledger.pick(balancer.policy, balancer.last_reason, iid)
         if request.timer is not None:
             p.metrics.route_decision(balancer.last_decision, request.timer)
         balancer.acquire(iid)
-        request.gauge = p.metrics.inflight_child(iid)
-        self._defer(request.gauge.inc)
         request.backend = b
         request.sent_at = time.monotonic()
         return slot, request
@@ -190,7 +185,7 @@ class FrontPath:
         if b is not None:
             request.backend = None
             self._proxy._balancer.release(b.instance_id)
-            self._defer(request.gauge.dec)
+            self._ledger.attempt_over(b.instance_id)
         if request.timer is not None:
             request.timer.attempt_over()
 
@@ -250,48 +245,37 @@ class FrontPath:
                 first_at: float, itl: tuple[float, tuple[int, ...]] | None = None) -> None:
         p = self._proxy
         b = request.backend
+        ledger = self._ledger
         try:
             if b is None or outcome == HANDED:  # our own answer went (retry gave up), or aiohttp's will
                 return
             if outcome == FAILED:
-                self._defer(p.metrics.count, NO_INSTANCE, status)
+                ledger.answer(NO_INSTANCE, status, None)
                 return
+            iid = b.instance_id
             if head_at:  # the instance answered (its head): passive health at once, as the embedded path's
                 p._settle(b, status)
-            ended = time.monotonic() if events == 0 else 0.0  # a non-streamed answer's one event: now
+                ledger.answer(iid, status, head_at - request.sent_at)
             timer = request.timer
-            if timer is not None and timer.decision is not None:
-                # A routing model waits for this first token (non-streamed: the answer): it learns
-                # of it now, before the attempt's end below tells it the prefill went nowhere.
-                self._count(request, b.instance_id, status, outcome, events, head_at, first_at, ended, itl)
-            else:
-                self._defer(self._count, request, b.instance_id, status, outcome, events, head_at, first_at, ended,
-                            itl)
+            if timer is not None and status < 300 and head_at:
+                first = None
+                if not request.first_seen:  # first() counted it where a routing model asked
+                    # its time: when the first event reached the client; a non-streamed answer's one
+                    # event, the answer (its end: now)
+                    at = first_at or (time.monotonic() if events == 0 and outcome == DONE else 0.0)
+                    if at:
+                        first = (at - timer.started, at)
+                        # A routing model waiting for this first token learns of it now, before the
+                        # attempt's end below tells it the prefill went nowhere.
+                        timer.first_token(*first)
+                later = events - 1 if events > 1 else 0
+                ledger.tokens(iid, timer.api, first, later + (first is not None), itl if later else None)
             if outcome == CUT or outcome == IDLE:
                 # Committed: bytes reached the client, which sees the cut (the connection closed).
                 reason = "idle_timeout" if outcome == IDLE else "body_error"
                 p._upstream_failed(b, reason)
-                self._log.warning("instance %s: response cut mid-stream (%s)", b.instance_id, reason)
+                self._log.warning("instance %s: response cut mid-stream (%s)", iid, reason)
         finally:
             self._attempt_over(request)
-            if p._tally is not None and outcome != HANDED:  # aiohttp's handler tallies a handed one
-                self._defer(p._tally)
-
-    def _count(self, request: _FrontRequest, iid: str, status: int, outcome: int, events: int, head_at: float,
-               first_at: float, ended: float, itl: tuple[float, tuple[int, ...]] | None) -> None:
-        """A request's metrics: its instance's latency and answer, its time to first token, its
-        events and inter-token times, from the front's clock (time.monotonic's) as they happened."""
-        metrics = self._proxy.metrics
-        if head_at:
-            metrics.observe_latency(iid, head_at - request.sent_at)
-            metrics.count(iid, status)
-        timer = request.timer
-        if timer is not None and status < 300 and head_at:
-            if first_at and not request.first_seen:
-                timer.events(iid, 1, now=first_at)
-            if events > 1:
-                timer.later_events(iid, events - 1)
-                if itl is not None:
-                    timer.inter_token_counts(iid, *itl)
-            elif events == 0 and outcome == DONE:
-                timer.events(iid, now=ended)  # not a stream: the whole answer is its one event
+            if outcome != HANDED:  # aiohttp's handler tallies a handed one
+                ledger.tallied += 1
