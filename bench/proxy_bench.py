@@ -246,6 +246,7 @@ STREAM = "/v2/models/ensemble/generate_stream"
 # NGINX's least_conn, like for like: the daemon's default (prefix-affinity) parses every
 # body and, with the bench's one repeated prompt, would keep it on one instance.
 LIKE_NGINX = ("--lb-policy", "least-outstanding")
+FRONT: tuple[str, ...] = ()  # --front: the daemon's workers' front ("--front", name), set by main
 WRK_COLS = ["target", "rps", "p50_ms", "p90_ms", "p99_ms", "requests", "failed"]
 
 
@@ -311,7 +312,7 @@ class MinRelay:
 def wrk_small(rounds: int, seconds: float, c1_seconds: float, cpu_requests: int, cpu_rate: float,
               compare_tree: Path | None, profile: bool, bound: bool = False) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-wrk-"))
-    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX,
+    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX + FRONT,
               env_extra={"DEMO_TOKEN_DELAY_MS": "0"})
     ngx1 = before = relay = None
     out: dict[str, Any] = {"token_delay_ms": 0, "max_tokens": 1}
@@ -455,7 +456,7 @@ def wrk_stream(rounds: int, seconds: float, events: int, gap_us: int, connection
 
 def wrk_ttft(rounds: int, seconds: float, streams: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-ttft-"))
-    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX,
+    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX + FRONT,
               env_extra={"DEMO_TOKEN_DELAY_MS": "5"})
     ngx1 = None
     out: dict[str, Any] = {"token_delay_ms": 5, "prompt_chars": 128, "max_tokens": 32, "streams": streams,
@@ -613,6 +614,8 @@ def main() -> int:
     ap.add_argument("--wrk", action="store_true", help="issue 12: measure with wrk (see the module doc)")
     ap.add_argument("--wrk-parts", default="small,stream,ttft", help="--wrk: which parts (comma-separated)")
     ap.add_argument("--wrk-seconds", type=float, default=5.0, help="--wrk: seconds per target per round")
+    ap.add_argument("--front", choices=("aiohttp", "compiled"), default="aiohttp",
+                    help="--wrk: the daemon's workers' --front (small and ttft parts)")
     ap.add_argument("--cpu-requests", type=int, default=3000, help="--wrk: requests per CPU measurement")
     ap.add_argument("--cpu-rate", type=float, default=400.0, help="--wrk: about this many req/s for CPU")
     ap.add_argument("--compare-tree", type=Path, help="--wrk: also measure the embedded proxy of this "
@@ -677,8 +680,10 @@ def main_wrk(a: argparse.Namespace) -> int:
         return 2
     use_uvloop()  # the TTFT client
     parts = set(a.wrk_parts.split(","))
+    global FRONT
+    FRONT = ("--front", a.front)
     t0 = time.time()
-    result: dict[str, Any] = {"bench": "proxy_bench", "mode": "wrk", "machine": machine(),
+    result: dict[str, Any] = {"bench": "proxy_bench", "mode": "wrk", "machine": machine(), "front": a.front,
                               "generator": {"kind": "wrk 1 thread (C); TTFT: Python SSE client",
                                             "same_cores_as_targets": True},
                               "instances": "2 x TP1 (--assume-gpus 2)"}
