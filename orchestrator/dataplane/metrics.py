@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from bisect import bisect_left
 import sys
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -153,10 +153,13 @@ class ProxyMetrics:
         return g
 
     def observe_latency(self, instance: str, seconds: float) -> None:
+        self._latency_child(instance).observe(seconds)
+
+    def _latency_child(self, instance: str) -> Histogram:
         h = self._latency_children.get(instance)
         if h is None:
             h = self._latency_children[instance] = self.latency.labels(instance)
-        h.observe(seconds)
+        return h
 
     def routed(self, policy: str, reason: str, instance: str, n: int = 1, now: float | None = None) -> None:
         key = (policy, reason, instance)
@@ -168,10 +171,7 @@ class ProxyMetrics:
 
     # --- per batch (the compiled front's, front/ledger.py) ---------------------------
     def observe_latencies(self, instance: str, seconds: list[float]) -> None:
-        h = self._latency_children.get(instance)
-        if h is None:
-            h = self._latency_children[instance] = self.latency.labels(instance)
-        observe_many(h, seconds)
+        observe_many(self._latency_child(instance), seconds)
 
     def first_tokens(self, instance: str, api: str, firsts: list[tuple[float, float]]) -> None:
         """Times to first token (seconds, when the event reached the client), as TokenTimer.events

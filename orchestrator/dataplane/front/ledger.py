@@ -13,19 +13,21 @@ State: one batch, owned by the FrontPath that fills and folds it (the worker's l
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 
 class Ledger:
     __slots__ = ("routed", "inflight", "answers", "latency", "firsts", "events", "itl", "tallied")
 
     def __init__(self) -> None:
-        self.routed: dict[tuple[str, str, str], int] = {}  # (policy, reason, instance) -> picks
-        self.inflight: dict[str, int] = {}  # instance -> the gauge's change
-        self.answers: dict[tuple[str, int], int] = {}  # (instance or NO_INSTANCE, status) -> answers
-        self.latency: dict[str, list[float]] = {}  # instance -> to the instance's answer head, s
-        self.firsts: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (instance, api) -> (TTFT, when)
-        self.events: dict[tuple[str, str], int] = {}  # (instance, api) -> output events
+        self.routed: defaultdict[tuple[str, str, str], int] = defaultdict(int)  # (policy, reason, instance) -> picks
+        self.inflight: defaultdict[str, int] = defaultdict(int)  # instance -> the gauge's change
+        self.answers: defaultdict[tuple[str, int], int] = defaultdict(int)  # (instance or NO_INSTANCE, status)
+        self.latency: defaultdict[str, list[float]] = defaultdict(list)  # instance -> to its answer head, s
+        self.firsts: defaultdict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)  # (TTFT, when)
+        self.events: defaultdict[tuple[str, str], int] = defaultdict(int)  # (instance, api) -> output events
         self.itl: dict[tuple[str, str], list[Any]] = {}  # (instance, api) -> [sum, counts per ITL bucket]
         self.tallied = 0  # requests ended, for the worker's row of the shared table
 
@@ -33,18 +35,16 @@ class Ledger:
         return bool(self.tallied or self.routed or self.inflight or self.answers)
 
     def pick(self, policy: str, reason: str, instance: str) -> None:
-        key = (policy, reason, instance)
-        self.routed[key] = self.routed.get(key, 0) + 1
-        self.inflight[instance] = self.inflight.get(instance, 0) + 1
+        self.routed[policy, reason, instance] += 1
+        self.inflight[instance] += 1
 
     def attempt_over(self, instance: str) -> None:
-        self.inflight[instance] = self.inflight.get(instance, 0) - 1
+        self.inflight[instance] -= 1
 
     def answer(self, instance: str, status: int, latency_s: float | None) -> None:
-        key = (instance, status)
-        self.answers[key] = self.answers.get(key, 0) + 1
+        self.answers[instance, status] += 1
         if latency_s is not None:
-            _append(self.latency, instance, latency_s)
+            self.latency[instance].append(latency_s)
 
     def tokens(self, instance: str, api: str, first: tuple[float, float] | None, events: int,
                itl: tuple[float, tuple[int, ...]] | None) -> None:
@@ -52,9 +52,9 @@ class Ledger:
         counted here, its inter-token times as the front counted them per bucket."""
         key = (instance, api)
         if first is not None:
-            _append(self.firsts, key, first)
+            self.firsts[key].append(first)
         if events:
-            self.events[key] = self.events.get(key, 0) + events
+            self.events[key] += events
         if itl is not None:
             acc = self.itl.get(key)
             if acc is None:
@@ -83,10 +83,3 @@ class Ledger:
         if tally is not None and self.tallied:
             tally(self.tallied)
 
-
-def _append(lists: dict[Any, list[Any]], key: Any, value: Any) -> None:
-    values = lists.get(key)
-    if values is None:
-        lists[key] = [value]
-    else:
-        values.append(value)
