@@ -16,8 +16,8 @@ turn of the request's life, on the worker's loop thread (the front runs inside t
 
 What is only counted (metrics, the worker's tally) is done after the bytes, not on their way:
 FrontPath notes it in a batch (ledger.py), and `account` folds the batch ACCOUNT_AFTER_S after a
-poll that noted some
-(a timer armed as the poll returns), at each sweep, and before the metrics are read. Idle, the
+poll that noted some (a timer armed as the poll returns), at each sweep, and before the metrics
+are read. Idle, the
 interpreter runs a request's Python several times slower than in a busy loop (on the 2-core box:
 decide 230 us, release 180 us, against about 20 us each when busy); at one stream that was most
 of what the front added to the first token (+1.2-1.5 ms, NGINX +0.3 ms). Run as the poll returned,
