@@ -246,7 +246,6 @@ STREAM = "/v2/models/ensemble/generate_stream"
 # NGINX's least_conn, like for like: the daemon's default (prefix-affinity) parses every
 # body and, with the bench's one repeated prompt, would keep it on one instance.
 LIKE_NGINX = ("--lb-policy", "least-outstanding")
-FRONT: tuple[str, ...] = ()  # --front: the daemon's workers' front ("--front", name), set by main
 WRK_COLS = ["target", "rps", "p50_ms", "p90_ms", "p99_ms", "requests", "failed"]
 
 
@@ -310,9 +309,9 @@ class MinRelay:
 
 
 def wrk_small(rounds: int, seconds: float, c1_seconds: float, cpu_requests: int, cpu_rate: float,
-              compare_tree: Path | None, profile: bool, bound: bool = False) -> dict[str, Any]:
+              compare_tree: Path | None, profile: bool, bound: bool = False, front: str = "aiohttp") -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-wrk-"))
-    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX + FRONT,
+    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX + ("--front", front),
               env_extra={"DEMO_TOKEN_DELAY_MS": "0"})
     ngx1 = before = relay = None
     out: dict[str, Any] = {"token_delay_ms": 0, "max_tokens": 1}
@@ -454,9 +453,9 @@ def wrk_stream(rounds: int, seconds: float, events: int, gap_us: int, connection
     return out
 
 
-def wrk_ttft(rounds: int, seconds: float, streams: int) -> dict[str, Any]:
+def wrk_ttft(rounds: int, seconds: float, streams: int, front: str = "aiohttp") -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-ttft-"))
-    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX + FRONT,
+    run = Run(tmp, gpus="0-1", tp=1, assume_gpus=2, proxy="embedded", extra=LIKE_NGINX + ("--front", front),
               env_extra={"DEMO_TOKEN_DELAY_MS": "5"})
     ngx1 = None
     out: dict[str, Any] = {"token_delay_ms": 5, "prompt_chars": 128, "max_tokens": 32, "streams": streams,
@@ -680,8 +679,6 @@ def main_wrk(a: argparse.Namespace) -> int:
         return 2
     use_uvloop()  # the TTFT client
     parts = set(a.wrk_parts.split(","))
-    global FRONT
-    FRONT = ("--front", a.front)
     t0 = time.time()
     result: dict[str, Any] = {"bench": "proxy_bench", "mode": "wrk", "machine": machine(), "front": a.front,
                               "generator": {"kind": "wrk 1 thread (C); TTFT: Python SSE client",
@@ -689,11 +686,11 @@ def main_wrk(a: argparse.Namespace) -> int:
                               "instances": "2 x TP1 (--assume-gpus 2)"}
     if "small" in parts:
         result["small"] = wrk_small(a.rounds, a.wrk_seconds, a.wrk_seconds, a.cpu_requests, a.cpu_rate,
-                                    a.compare_tree, a.profile, a.bound)
+                                    a.compare_tree, a.profile, a.bound, front=a.front)
     if "stream" in parts:
         result["stream"] = wrk_stream(a.rounds, a.wrk_seconds, events=32, gap_us=1000, connections=64)
     if "ttft" in parts:
-        result["ttft"] = wrk_ttft(a.rounds, a.wrk_seconds + 1, streams=8)
+        result["ttft"] = wrk_ttft(a.rounds, a.wrk_seconds + 1, streams=8, front=a.front)
     result["wall_s"] = round(time.time() - t0, 1)
     wrk_report(result)
     goals = wrk_goals(result)
