@@ -54,7 +54,7 @@ class Decider:
     def route(self, body: bytes) -> str | None:
         """The instance the product's balancer picks for this body, its count acquired."""
         balancer = self.balancer
-        hints = RouteHints.from_prompt(prompt_of_json(body)) if balancer.wants_prompt else None
+        hints = RouteHints.from_prompt(prompt_of_json(body)) if balancer.wants_prompt_of(len(body)) else None
         b = balancer.pick(self.backends, (), hints)
         if b is None:
             return None

@@ -69,8 +69,22 @@ SOURCES = 8
 EVENTS = 32
 CONNECTIONS = 256
 STREAM_PATH = "/v2/models/ensemble/generate_stream"
-BODY = json.dumps({"text_input": "What is the capital of France?", "max_tokens": EVENTS, "stream": True,
-                   "bad_words": "", "stop_words": ""}).encode()
+QUESTION = "What is the capital of France?"
+
+
+def body_of(prompt_chars: int = 0) -> bytes:
+    """The request every client sends: the short question, or (--prompt-chars N) a tenant's system
+    prompt of about N characters before it, as a deployment with shared system prompts sends: the
+    default policy then parses it, hashes its chunks and finds its holder in the shared index."""
+    head = ""
+    if prompt_chars > 0:
+        line = "You are the support assistant of one tenant; answer in its voice and briefly. "
+        head = (line * (prompt_chars // len(line) + 1))[:prompt_chars]
+    return json.dumps({"text_input": head + QUESTION, "max_tokens": EVENTS, "stream": True,
+                       "bad_words": "", "stop_words": ""}).encode()
+
+
+BODY = body_of()  # main sets it from --prompt-chars
 
 
 def log(msg: str) -> None:
@@ -609,8 +623,10 @@ def _stream_table(result: dict[str, Any], key: str, events: int) -> list[str]:
 
 
 def report(result: dict[str, Any]) -> str:
+    prompt = (f"a {result['prompt_chars']}-character tenant prompt + a question ({result['body_bytes']}-byte body)"
+              if result.get("prompt_chars") else "a short question (shorter than one prefix chunk)")
     lines = [f"# dataplane_bench {result['stamp']}", "", f"Machine: {result['machine']}; workers' event loop: "
-             f"{result.get('event_loop', 'not recorded')}", ""]
+             f"{result.get('event_loop', 'not recorded')}; every request: {prompt}", ""]
     lines += _stream_table(result, "stream", result["events_per_stream"])
     if result.get("stream_long"):
         lines += [""] + _stream_table(result, "stream_long", result["long_events_per_stream"])
@@ -706,7 +722,7 @@ def _event_loop() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global TARGETS
+    global TARGETS, BODY
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="1,2,4,8,12")
     ap.add_argument("--seconds", type=float, default=8.0)
@@ -723,7 +739,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes per source (one port, SO_REUSEPORT) in the scaling rows: a source is one "
                          "core's worth (~250k events/s), so 8 of them cap a relay with many workers; "
                          "4 on a 64-core host")
+    ap.add_argument("--prompt-chars", type=int, default=0,
+                    help="a tenant's system prompt of this many characters before every request's question "
+                         "(0: the short question alone, shorter than one prefix chunk)")
     args = ap.parse_args(argv)
+    BODY = body_of(args.prompt_chars)
     chosen = args.targets.split(",")
     unknown = sorted(set(chosen) - {name for name, _ in TARGETS})
     if unknown or not {"embedded", "nginx"} <= set(chosen):
@@ -745,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"stamp": stamp, "machine": f"{ncpu} cores, {os.uname().release}, Python "
                               f"{sys.version.split()[0]}", "workers": workers, "default_workers": default_w,
                               "connections": CONNECTIONS, "sources": SOURCES, "source_procs": args.source_procs,
-                              "events_per_stream": EVENTS,
+                              "events_per_stream": EVENTS, "prompt_chars": args.prompt_chars,
+                              "body_bytes": len(BODY),
                               "seconds": args.seconds,
                               # the workers run this interpreter: uvloop when it imports (a dependency)
                               "event_loop": _event_loop(),

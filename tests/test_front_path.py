@@ -64,8 +64,8 @@ class Front:
         self.proxy.metrics.settle()
         return self.proxy.metrics.registry.get_sample_value(name, labels) or 0.0
 
-    async def post(self, path: str = GEN, **kw: object) -> tuple[int, bytes, dict[str, str]]:
-        async with self.session.post(self.url + path, json={"text_input": "x"}, **kw) as r:
+    async def post(self, path: str = GEN, prompt: str = "x", **kw: object) -> tuple[int, bytes, dict[str, str]]:
+        async with self.session.post(self.url + path, json={"text_input": prompt}, **kw) as r:
             return r.status, await r.read(), dict(r.headers)
 
 
@@ -99,6 +99,33 @@ async def test_streams_are_served_by_the_front_and_counted_as_the_embedded_path_
             assert f.proxy.metrics.recent.summary()["0"]["generations"] == 3
     finally:
         await up.close()
+
+
+async def test_the_default_policy_routes_a_long_prompt_by_its_prefix_and_a_short_one_by_load():
+    """A prompt of a chunk or more goes where it went before; one shorter than a chunk is not
+    parsed (Balancer.wants_prompt_of) and is routed as no prompt: in turn, as both are idle."""
+    ups = [await AppUpstream(sse).start() for _ in range(2)]
+    try:
+        async with Front(*ups, lb_policy="prefix-affinity") as f:
+            tenant = "You are the assistant of one tenant; answer briefly. " * 12  # 2 full chunks
+            for i in range(4):
+                status, body, _ = await f.post(STREAM, prompt=tenant + f"Question {i}?")
+                assert status == 200 and body.count(b"data:") == EVENTS
+            assert sorted(len(u.requests) for u in ups) == [0, 4]
+            for _ in range(4):
+                assert (await f.post(STREAM, prompt="hi"))[0] == 200
+            assert sorted(len(u.requests) for u in ups) == [2, 6]
+            assert NATIVE.stats()["served"] == 8
+            f.proxy.metrics.settle()  # as a scrape reads them
+            reasons = {}
+            for fam in f.proxy.metrics.registry.collect():
+                for sample in fam.samples:
+                    if sample.name == "trtllm_orch_proxy_routing_decisions_total" and sample.value:
+                        reasons[sample.labels["reason"]] = reasons.get(sample.labels["reason"], 0) + sample.value
+            assert reasons == {"prefix-miss": 1, "prefix": 3, "no-prompt": 4}
+    finally:
+        for u in ups:
+            await u.close()
 
 
 async def test_refusals_go_to_another_instance_and_client_errors_to_the_client():
@@ -189,9 +216,15 @@ async def test_what_is_not_a_public_generation_is_answered_by_aiohttp():
         async with Front(up) as f:
             async with f.session.get(f.url + "/v2/health/ready") as r:
                 assert r.status == 200
-            status, body, _ = await f.post("/v2/repository/models/ensemble/load")
-            assert status == 403 and b"admin API is disabled" in body
+            for _ in range(2):  # the second time as the front remembers the first
+                status, body, _ = await f.post("/v2/repository/models/ensemble/load")
+                assert status == 403 and b"admin API is disabled" in body
             assert up.requests == [] and NATIVE.stats()["served"] == 0
+            # a generation with a query, or on a path aiohttp normalises, is sent as aiohttp sends it
+            for path in (GEN + "?trace=1", GEN + "?trace=1", "/v2//models/ensemble/generate"):
+                assert (await f.post(path))[0] == 200
+            assert [r["path"] for r in up.requests] == [GEN + "?trace=1", GEN + "?trace=1", GEN]
+            assert NATIVE.stats()["served"] == 0
     finally:
         await up.close()
 

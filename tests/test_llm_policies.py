@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
+from orchestrator.routing.balancer import Balancer
 from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints, loads, requests
 from orchestrator.dataplane.shared_prefix import SharedPrefixIndex
 from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS, PrefixIndex, chunk_keys
@@ -333,6 +334,35 @@ def test_prompt_of_json_generate_and_infer():
     assert prompt_of_json(json.dumps(infer).encode()) == "hello"
     assert prompt_of_json(b"not json") is None and prompt_of_json(b"[1]") is None
     assert prompt_of_json(b"") is None
+
+
+@pytest.mark.parametrize("body", [
+    b'{"text_input": "caf\xc3\xa9 \\u00e9"}', b'{"text_input": "hi"} trailing', b'{"text_input": "\xff"}',
+    '{"text_input": "hi"}'.encode("utf-16-le"), '{"text_input": "hi"}'.encode("utf-32-le"),
+    b'{"text_input": "\\ud800 alone"}', b'\n{"text_input": ["a", "b"], "text_input": "last"}'],
+    ids=["utf8-escapes", "trailing", "bad-utf8", "utf16", "utf32", "lone-surrogate", "repeated-key"])
+def test_prompt_of_json_reads_what_json_loads_reads(body):
+    try:
+        doc = json.loads(body)
+        expected = doc.get("text_input") if isinstance(doc, dict) else None
+    except (ValueError, UnicodeDecodeError):
+        expected = None
+    assert prompt_of_json(body) == expected
+
+
+def test_prefix_affinity_wants_no_prompt_shorter_than_a_chunk_and_routes_it_as_none():
+    bal = Balancer("prefix-affinity", rng=random.Random(1))
+    assert not bal.wants_prompt_of(DEFAULT_CHUNK_CHARS - 1) and bal.wants_prompt_of(DEFAULT_CHUNK_CHARS)
+    assert Balancer("cost-model").wants_prompt_of(1) and not Balancer("least-outstanding").wants_prompt_of(10**6)
+    # the widest prompt a short body can carry: it has no key, and routes as no prompt at all
+    short = RouteHints.from_prompt("é" * (DEFAULT_CHUNK_CHARS - 1))
+    assert short.prompt_keys == () and short.route_key
+    with_hints, without = (PrefixAffinity(random.Random(2), clock=lambda: NOW) for _ in range(2))
+    backends = [backend(str(i)) for i in range(3)]
+    for inflight in ({}, {"0": 1}, {"0": 1, "2": 1}, {"1": 2}, {}):
+        assert (with_hints.choose(backends, (), inflight, short).instance_id
+                == without.choose(backends, (), inflight, None).instance_id)
+        assert with_hints.last_reason == without.last_reason == "no-prompt"
 
 
 def _varint(n: int) -> bytes:

@@ -482,7 +482,8 @@ class EmbeddedProxy:
             self.metrics.count(NO_INSTANCE, 503)
             return _error(503, "no inference instance is ready", {"Retry-After": RETRY_AFTER_S})
         hints = None
-        if self._balancer.wants_prompt:  # an OpenAI call has its prompt already: no second parse
+        # An OpenAI call has its prompt already: no second parse.
+        if self._balancer.wants_prompt_of(len(call.prompt or "") if call is not None else len(body)):
             hints = RouteHints.from_prompt(call.prompt if call is not None else prompt_of_json(body))
         peer = request.remote
         headers = upstream_request_headers(request.headers, peer, peer in self._trusted)

@@ -246,7 +246,7 @@ class GrpcProxy:
         return chosen
 
     def _hints(self, message: bytes | None) -> RouteHints | None:
-        if message is None or not self._balancer.wants_prompt:
+        if message is None or not self._balancer.wants_prompt_of(len(message)):
             return None
         return RouteHints.from_prompt(prompt_of_grpc(message))
 
@@ -375,7 +375,7 @@ class GrpcProxy:
         # The first request message (kept for the replay) starts the generation's clock: a
         # client may open the stream well before it sends (the upstream call waits with it).
         first = await inbox.first()
-        hints = self._hints(first) if self._balancer.wants_prompt else None
+        hints = self._hints(first)
         timer = self.metrics.timer("ModelStreamInfer")
         for _ in range(self._max_attempts):
             backend = await self._pick(tried, hints, timer)

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.cost_policy import CostModel
 from orchestrator.routing.llm_policies import KvAware, PrefixAffinity, RouteHints
+from orchestrator.routing.prefix_index import DEFAULT_CHUNK_CHARS
 
 LEAST_OUTSTANDING = "least-outstanding"
 ROUND_ROBIN = "round-robin"
@@ -178,8 +179,18 @@ class Balancer:
 
     @property
     def wants_prompt(self) -> bool:
-        """Whether `pick` can use the request's prompt (worth parsing the body for)."""
+        """Whether `pick` can use a request's prompt at all."""
         return isinstance(self._policy, PrefixAffinity) or getattr(self._policy, "wants_prompt", False)
+
+    def wants_prompt_of(self, size: int) -> bool:
+        """Whether `pick` can use the prompt of a request whose body (or gRPC message, or the
+        prompt itself) is `size` bytes or characters: worth parsing it for. A prompt has at most
+        as many characters as the bytes that carry it (JSON and UTF-8 never fewer bytes), and
+        prefix-affinity reads only a prompt's full chunks (RouteHints.prompt_keys): a shorter
+        one routes as no prompt, so parsing it (2-3 us a request) bought nothing."""
+        if isinstance(self._policy, PrefixAffinity):
+            return size >= DEFAULT_CHUNK_CHARS
+        return getattr(self._policy, "wants_prompt", False)
 
     @property
     def last_reason(self) -> str:

@@ -82,8 +82,7 @@ import time
 import zlib
 from bisect import bisect_right
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
@@ -124,9 +123,10 @@ ROUTE_KINDS = {"hit": "hit", "miss": "miss", "spill": "spill",
                "prefix-kv-wait": "spill", "prefix-full": "spill"}
 
 
-@dataclass(frozen=True)
-class RouteHints:
-    """What a policy may know about the request; built by the proxy, only when the policy wants it."""
+class RouteHints(NamedTuple):
+    """What a policy may know about the request; built by the proxy, only when the policy wants it.
+    A named tuple, not a frozen dataclass: one is built per request on the path of the bytes, and a
+    frozen dataclass's fields are set one `object.__setattr__` at a time (0.85 against 0.53 us)."""
 
     prompt_keys: tuple[bytes | None, ...] = ()  # prefix_index.chunk_keys: None where no index reads
     prompt_chars: int = 0  # the prompt's length as read (prompt.MAX_PROMPT_CHARS at most)
@@ -134,15 +134,20 @@ class RouteHints:
     # breaks the tie alike, and a prompt's tenants land together (cost_policy.py).
     route_key: int = 0
     # The prompt itself, for a policy that samples it with the model's tokenizer (cost-model).
-    text: str = field(default="", repr=False, compare=False)
+    text: str = ""
+
+    def __repr__(self) -> str:  # not the prompt: up to 16k characters in a log line
+        return f"RouteHints(prompt_keys=<{len(self.prompt_keys)}>, prompt_chars={self.prompt_chars}, " \
+               f"route_key={self.route_key})"
 
     @classmethod
     def from_prompt(cls, prompt: str | None) -> "RouteHints | None":
         if not prompt:
             return None
+        if len(prompt) < DEFAULT_CHUNK_CHARS:  # no full chunk: no key to hash
+            return cls((), len(prompt), zlib.crc32(prompt.encode("utf-8", "surrogatepass")), prompt)
         keys = tuple(chunk_keys(prompt))
-        head = keys[0] if keys else prompt[:DEFAULT_CHUNK_CHARS].encode("utf-8", "surrogatepass")
-        return cls(keys, len(prompt), zlib.crc32(head), prompt)
+        return cls(keys, len(prompt), zlib.crc32(keys[0]), prompt)
 
 
 class InflightHistory:

@@ -23,11 +23,17 @@ MAX_PROMPT_CHARS = 16384
 PROMPT_TENSOR = "text_input"
 
 
+# json.loads(bytes) first guesses the encoding (a UTF-16 or -32 document has a NUL in its first
+# four bytes); a UTF-8 one, as every generation's body is, then decodes as here. Skipping the
+# guess: 4.2 -> 2.6 us for a short body on the 2-core box, on the path of every request.
+_decode = json.JSONDecoder().decode
+
+
 def prompt_of_json(body: bytes) -> str | None:
     if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
         return None
     try:
-        doc = json.loads(body)
+        doc = json.loads(body) if b"\0" in body[:4] else _decode(body.decode("utf-8", "surrogatepass"))
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(doc, dict):

@@ -66,6 +66,7 @@ _NOT_BLAMED = ("http_", "queue_full")
 # After the first event of a request sent now, after the next request of a client that answers at
 # once (tens of us busy, a few hundred idle); soon enough for /metrics, `status` and `top`.
 ACCOUNT_AFTER_S = 0.001
+_TARGETS_MAX = 4096
 
 
 def error_answer(status: int, message: str, extra: str = "") -> bytes:
@@ -96,6 +97,7 @@ class FrontPath:
         self._proxy = proxy
         self._slot_of = slot_of  # _front.instance(host, port)
         self._slots: dict[tuple[str, int], int] = {}
+        self._targets: dict[bytes, tuple[str, str] | None] = {}  # request line -> `_target`'s answer
         self._log = log
         self._ledger = Ledger()
         self._account_at: asyncio.TimerHandle | None = None
@@ -132,26 +134,40 @@ class FrontPath:
             slot = self._slots[key] = self._slot_of(b.host, b.http_port)
         return slot
 
+    def _target(self, line: bytes) -> tuple[str, str] | None:
+        """The request line's (path, action) where the front may send it; None: aiohttp's.
+        Worked out once per distinct line (a few model routes; bounded as Surface's cache)."""
+        # the front took only "POST <target> HTTP/1.1", CRLF or bare LF
+        target = line.split(b" ")[1].decode("latin-1")
+        raw_path = target.partition("?")[0]
+        route = self._proxy._surface.route("POST", raw_path)
+        # Everything but a public native generation is aiohttp's to answer (admin: 403 or forwarded
+        # with --allow-admin; /v1); so is a path normalised or with a query (sent as classified).
+        found = None
+        if route.kind is PUBLIC and route.api == "v2" and route.path == raw_path and "?" not in target:
+            found = (raw_path, raw_path.rpartition("/")[2])
+        if len(self._targets) >= _TARGETS_MAX:
+            self._targets.clear()  # a scan of paths cannot grow memory
+        self._targets[line] = found
+        return found
+
     def decide(self, head: bytes, body: bytes) -> tuple[int, _FrontRequest] | None:
         p = self._proxy
-        # the request line's target (the front took only "POST <target> HTTP/1.1", CRLF or bare LF)
-        target = head[:head.index(b"\n")].split(b" ")[1].decode("latin-1")
-        raw_path = target.partition("?")[0]
-        route = p._surface.route("POST", raw_path)
-        # Everything but a public native generation is aiohttp's to answer (admin: 403 or forwarded
-        # with --allow-admin; /v1; the NGINX-mode OpenAI listener); so is a request to hold.
-        if route.kind is not PUBLIC or route.api != "v2" or p._openai_only or p._stopping:
+        line = head[:head.index(b"\n")]
+        found = self._targets.get(line, False)
+        if found is False:
+            found = self._target(line)
+        # the NGINX-mode OpenAI listener's requests are aiohttp's; so is a request to hold
+        if found is None or p._openai_only or p._stopping:
             return None
         if p._first_byte_s is not None:  # --first-byte-timeout-s: the embedded path keeps it, the front not yet
             return None
         backends = p._backends.current()
         if not backends:
             return None
-        if route.path != raw_path or "?" in target:
-            return None  # normalised or with a query: sent as classified, aiohttp's way
-        action = raw_path.rpartition("/")[2]
+        raw_path, action = found
         timer = p.metrics.timer(action) if action in _LLM_ACTIONS else None
-        hints = RouteHints.from_prompt(prompt_of_json(body)) if p._balancer.wants_prompt else None
+        hints = RouteHints.from_prompt(prompt_of_json(body)) if p._balancer.wants_prompt_of(len(body)) else None
         request = _FrontRequest(timer, hints, raw_path)
         chosen = self._attempt(request, backends)
         if chosen is None:  # no instance this front can reach (a host name, not an address)
