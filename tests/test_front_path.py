@@ -17,6 +17,7 @@ from orchestrator.dataplane.embedded import EmbeddedProxy
 from orchestrator.dataplane.front.compiled import NATIVE
 from orchestrator.routing.backends import Backend, ReadyBackends
 from tests.test_proxy_embedded import AppUpstream
+from tests.test_proxy_error_retry import silent_for
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(NATIVE is None, reason="the compiled front is not built here")]
@@ -189,6 +190,33 @@ async def test_an_instance_that_refuses_connections_is_passed_over_and_a_silent_
             await hung.close()
     finally:
         dead.close()
+        await good.close()
+
+
+async def test_no_answer_head_within_the_first_byte_timeout_is_cancelled_and_retried_elsewhere():
+    """--first-byte-timeout-s, kept by the front (at its sweeps), as the embedded path keeps it."""
+    cancelled: list[bool] = []
+    slow, good = await AppUpstream(silent_for(30, cancelled)).start(), await AppUpstream().start()
+    try:
+        async with Front(slow, good, first_byte_timeout_s=0.3) as f:
+            for _ in range(4):
+                status, body, _ = await f.post()
+                assert status == 200 and str(good.port).encode() in body
+            assert NATIVE.stats()["served"] == 4  # the front's, not handed to aiohttp
+            assert len(slow.requests) >= 1
+            for _ in range(50):  # the cancel reaches the slow instance's handler through its socket
+                if len(cancelled) == len(slow.requests):
+                    break
+                await asyncio.sleep(0.05)
+            assert len(cancelled) == len(slow.requests)
+            assert f.metric("trtllm_orch_proxy_retries_total", instance="0", reason="first_byte_timeout") >= 1
+        # a slower first byte than --idle-timeout-s allows is still the idle timeout's: 504, not retried
+        async with Front(slow, good, first_byte_timeout_s=5.0, idle_timeout_s=0.3, lb_policy="least-outstanding") as f:
+            f.backends.publish(f.backends.current()[:1])
+            status, body, _ = await f.post()
+            assert status == 504 and b"did not answer within the idle timeout" in body
+    finally:
+        await slow.close()
         await good.close()
 
 

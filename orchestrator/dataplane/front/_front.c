@@ -37,8 +37,9 @@
  *   the head (else `body_answer`), and a kept connection waits `keepalive` seconds for the next one.
  *   Deadlines are checked every SWEEP_MS by poll(), or by sweep() on a timer of the loop's.
  *
- * The instance's deadlines are kept too (`upstream`: connect, and silence between its bytes); a
- * pooled connection the instance closed before answering is retried once on a new one. Metrics are
+ * The instance's deadlines are kept too (`upstream`: connect, silence between its bytes, and the
+ * answer's head after the attempt began: --first-byte-timeout-s, retried elsewhere as the embedded
+ * path's wait_for is; within a sweep's period, SWEEP_MS or the loop's timer); a pooled connection the instance closed before answering is retried once on a new one. Metrics are
  * Python's, from release()'s numbers (issue 22's next step: counted here instead).
  */
 #define PY_SSIZE_T_CLEAN
@@ -89,6 +90,7 @@ typedef struct client {
     int tries;
     int phase;
     long long deadline_ms; /* of the phase; 0: none */
+    long long head_due_ms; /* the attempt's answer head is due (--first-byte-timeout-s); 0: none */
     int trust_checked;
     char peer[64];
     /* The request as the instance gets it (with hygiene): fwd[0, fwd_base) is the head without
@@ -154,6 +156,7 @@ static long long head_ms, body_ms, keepalive_ms;
 static PyObject *head_answer, *body_answer;
 static long long now_ms, last_sweep_ms;
 static long long connect_ms, idle_ms; /* the instance's: to connect, and between its bytes */
+static long long first_byte_ms;       /* the instance's answer head after the attempt began; 0: none */
 static double itl_bounds[MAX_ITL];    /* the inter-token histogram's upper bounds (metrics.py's), +Inf after */
 static int n_itl;
 static int draining;                  /* stopping: no connection is kept after its answer */
@@ -168,9 +171,10 @@ static size_t n_dead, dead_cap;
 
 /* Why an attempt failed before any byte reached the client (retry()'s `reason`, as the embedded
  * path counts them), and how a request ended (release()'s `outcome`). */
-enum reason { R_REFUSED, R_CONNECT_TIMEOUT, R_DISCONNECTED, R_BAD_RESPONSE, R_HEADER_TIMEOUT, R_ABORTED };
+enum reason { R_REFUSED, R_CONNECT_TIMEOUT, R_DISCONNECTED, R_BAD_RESPONSE, R_HEADER_TIMEOUT, R_ABORTED,
+              R_FIRST_BYTE_TIMEOUT };
 static const char *reason_names[] = {"connect_refused", "connect_timeout", "disconnected", "bad_response",
-                                     "header_timeout", "aborted"};
+                                     "header_timeout", "aborted", "first_byte_timeout"};
 enum outcome { O_DONE, O_CLIENT_GONE, O_CUT, O_IDLE, O_FAILED, O_HANDED };
 #define PEEK_MAX 65536 /* an error answer up to this size is held back and shown to answered() */
 
@@ -545,6 +549,7 @@ static void start_upstream(client_t *c, int inst) {
     }
     c->peek = 0;
     c->pk_len = 0;
+    c->head_due_ms = first_byte_ms ? now_ms + first_byte_ms : 0;
     c->events = c->nl = 0;
     c->head_at = c->first_at = c->itl_sum = 0;
     memset(c->itl, 0, sizeof c->itl);
@@ -1298,7 +1303,7 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
                             "retry", "answered", "upstream", "first", "itl_bounds", NULL};
     int lfd;
     long long mb = MAX_REQUEST;
-    double lim[3] = {0, 0, 0}, ups[2] = {0, 0};
+    double lim[3] = {0, 0, 0}, ups[3] = {0, 0, 0};
     PyObject *ports, *dec = Py_None, *rel = Py_None, *hand = Py_None, *suffixes = Py_None, *rqd = Py_None,
              *rsd = Py_None, *limits = Py_None, *ha = Py_None, *ba = Py_None, *tr = Py_None, *rt = Py_None,
              *an = Py_None, *upstream = Py_None, *fi = Py_None, *bounds = Py_None;
@@ -1321,10 +1326,11 @@ static PyObject *setup(PyObject *args, PyObject *kw) {
     }
     if (limits != Py_None && !PyArg_ParseTuple(limits, "ddd", &lim[0], &lim[1], &lim[2]))
         return NULL;
-    if (upstream != Py_None && !PyArg_ParseTuple(upstream, "dd", &ups[0], &ups[1]))
+    if (upstream != Py_None && !PyArg_ParseTuple(upstream, "dd|d", &ups[0], &ups[1], &ups[2]))
         return NULL;
     connect_ms = (long long)(ups[0] * 1000);
     idle_ms = (long long)(ups[1] * 1000);
+    first_byte_ms = (long long)(ups[2] * 1000);
     Py_XINCREF(rt == Py_None ? NULL : rt);
     Py_XINCREF(an == Py_None ? NULL : an);
     retry_cb = rt == Py_None ? NULL : rt;
@@ -1408,6 +1414,11 @@ static void sweep_clients(void) {
                 (void)to_client(c, &iov, 1);  /* best effort: the connection closes either way */
             }
             client_close(c);
+        } else if (c->up != NULL && c->up->state != U_BODY && c->head_due_ms && now_ms >= c->head_due_ms &&
+                   (!c->up->deadline_ms || c->head_due_ms <= c->up->deadline_ms)) {
+            /* No answer head within --first-byte-timeout-s: nothing reached the client, another
+             * instance tries it (the embedded path's first_byte_timeout). */
+            up_failed(c->up, R_FIRST_BYTE_TIMEOUT);
         } else if (c->up != NULL && c->up->deadline_ms && now_ms >= c->up->deadline_ms && c->out_len == c->out_off) {
             /* The instance is silent: connect, head or next bytes overdue (not while the relay waits
              * for a slow client to read: the instance is not read then, and not to blame). */
@@ -1503,11 +1514,11 @@ static PyObject *sweep(PyObject *self, PyObject *unused) {
 /* configure(limits=, upstream=, max_body=, body_answer=): a reload's numbers, for what starts next. */
 static PyObject *configure(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"limits", "upstream", "max_body", "body_answer", NULL};
-    double lim[3], ups[2];
+    double lim[3], ups[3];
     long long mb;
     PyObject *ba;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "(ddd)(dd)LS", names, &lim[0], &lim[1], &lim[2], &ups[0], &ups[1], &mb,
-                                     &ba))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "(ddd)(ddd)LS", names, &lim[0], &lim[1], &lim[2], &ups[0], &ups[1],
+                                     &ups[2], &mb, &ba))
         return NULL;
     if (mb < 0) return PyErr_Format(PyExc_ValueError, "max_body: %lld", mb);
     head_ms = (long long)(lim[0] * 1000);
@@ -1515,6 +1526,7 @@ static PyObject *configure(PyObject *self, PyObject *args, PyObject *kw) {
     keepalive_ms = (long long)(lim[2] * 1000);
     connect_ms = (long long)(ups[0] * 1000);
     idle_ms = (long long)(ups[1] * 1000);
+    first_byte_ms = (long long)(ups[2] * 1000);
     body_max = (size_t)mb < MAX_REQUEST - HEAD_MAX ? (size_t)mb : MAX_REQUEST - HEAD_MAX;
     Py_INCREF(ba);
     Py_XSETREF(body_answer, ba);
@@ -1644,7 +1656,7 @@ static PyObject *front_shutdown(PyObject *self, PyObject *unused) {
     n_inst = n_hot = n_req_drop = n_resp_drop = hygiene = draining = n_itl = 0;
     picks = cut_head = cut_body = closed_idle = served = 0;
     body_max = MAX_REQUEST;
-    head_ms = body_ms = keepalive_ms = connect_ms = idle_ms = 0;
+    head_ms = body_ms = keepalive_ms = connect_ms = idle_ms = first_byte_ms = 0;
     Py_CLEAR(decide_cb);
     Py_CLEAR(release_cb);
     Py_CLEAR(retry_cb);
@@ -1663,13 +1675,13 @@ static PyMethodDef methods[] = {
     {"start", (PyCFunction)(void (*)(void))start, METH_VARARGS | METH_KEYWORDS,
      "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, max_body=1M, "
      "request_drop=None, response_drop=None, limits=None, head_answer=None, body_answer=None, trusted=None, "
-     "retry=None, answered=None, upstream=None, first=None) -> the epoll fd to watch; then poll(), and sweep() "
+     "retry=None, answered=None, upstream=None (connect, idle[, first_byte]), first=None) -> the epoll fd to watch; then poll(), and sweep() "
      "on a timer (the top of _front.c says what each is)"},
     {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
     {"sweep", sweep, METH_NOARGS, "sweep(): cut the clients past their deadlines now"},
     {"open_count", open_count, METH_NOARGS, "open_count() -> client connections open now"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(limits=(head, body, keepalive), upstream=(connect, idle), max_body=, body_answer=)"},
+     "configure(limits=(head, body, keepalive), upstream=(connect, idle, first_byte), max_body=, body_answer=)"},
     {"instance", instance, METH_VARARGS, "instance(host, port) -> slot (-1: not an IP literal, or full)"},
     {"adopt", adopt, METH_VARARGS, "adopt(fd): an accepted client connection becomes the front's"},
     {"abort", abort_instance, METH_VARARGS, "abort(slot, answering) -> requests ended there"},

@@ -45,6 +45,12 @@ def rules(limits: ClientLimits, keepalive_s: float, max_body: int,
             "trusted": trusted.__contains__ if trusted else None}
 
 
+
+def _upstream_deadlines(settings: Any) -> tuple[float, float, float]:
+    """The instance's deadlines as the front keeps them: to connect, between its bytes, and for the
+    answer's head after the attempt began (--first-byte-timeout-s; 0: none)."""
+    return settings.connect_timeout_s, settings.idle_timeout_s, settings.first_byte_timeout_s
+
 class _Primed(asyncio.Protocol):
     """aiohttp's protocol for a connection the front handed over: fed the bytes the front had read
     before anything the socket brings next, so a pipelined request cannot overtake them."""
@@ -157,7 +163,7 @@ class Front:
         path = self.path
         epfd = NATIVE.start(-1, [], decide=path.decide, release=path.release, retry=path.retry,
                             answered=path.answered, first=path.first, handoff=self._handoff,
-                            upstream=(settings.connect_timeout_s, settings.idle_timeout_s),
+                            upstream=_upstream_deadlines(settings),
                             itl_bounds=[b for b in ITL_BUCKETS if b != float("inf")],
                             **rules(limits, keepalive_s, settings.max_body_bytes, TrustedPeers(settings.trusted_proxy)))
         self._undrive = drive(loop, epfd, DRAIN_ROUNDS, self._after_sweep, after_poll=path.after_poll)
@@ -172,7 +178,7 @@ class Front:
     def configure(self, settings: Any, limits: ClientLimits, keepalive_s: float) -> None:
         """A reload's new numbers, for the requests that start from now on."""
         NATIVE.configure(limits=(limits.header_timeout_s, limits.body_timeout_s, keepalive_s),
-                         upstream=(settings.connect_timeout_s, settings.idle_timeout_s),
+                         upstream=_upstream_deadlines(settings),
                          max_body=settings.max_body_bytes, body_answer=body_timeout_answer(limits))
 
     @property

@@ -30,8 +30,9 @@ The rules are EmbeddedProxy's, not copies: the surface's classification (a route
 public native generation, or admin, goes to aiohttp, which answers it as always), the hold (no
 instance ready: aiohttp holds it), the balancer's pick, acquire and release, the refusals retried
 elsewhere (`_refusal`), a failed attempt's accounting (`_attempt_failed`), passive health
-(`_settle`, `_upstream_failed`) and the metrics. What the front does not do yet that the embedded
-path does: --first-byte-timeout-s (where it is set, the front hands every request to aiohttp).
+(`_settle`, `_upstream_failed`) and the metrics. One difference: the front checks an attempt's
+--first-byte-timeout-s at its sweeps (compiled.SWEEP_S), so it retries it elsewhere up to 0.1 s
+after the deadline, where the embedded path's wait_for fires on time.
 
 State: each request's `_FrontRequest`, owned by the front (it holds it from decide to release);
 the batch of counts not folded yet (a Ledger), owned by FrontPath (spent by `account`).
@@ -159,8 +160,6 @@ class FrontPath:
             found = self._target(line)
         # the NGINX-mode OpenAI listener's requests are aiohttp's; so is a request to hold
         if found is None or p._openai_only or p._stopping:
-            return None
-        if p._first_byte_s is not None:  # --first-byte-timeout-s: the embedded path keeps it, the front not yet
             return None
         backends = p._backends.current()
         if not backends:
