@@ -281,7 +281,7 @@ class Split(Nginx):
 class Embedded:
     """The product's WorkerPool on its own event loop thread (wrk runs beside it)."""
 
-    front = "aiohttp"  # --front
+    front = "aiohttp"  # --front (the product's default is compiled: EmbeddedFront)
     policy: str | None = None  # --lb-policy (None: the default)
 
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
@@ -662,15 +662,19 @@ def report(result: dict[str, Any]) -> str:
 
 
 def goals(result: dict[str, Any]) -> dict[str, Any]:
+    # The product's default is the compiled front (embedded-front) where it was measured; `embedded`
+    # is the workers with --front aiohttp (the default before 2026-11-28's fourteenth session).
     st = result["stream"]["embedded"]
-    best = max(r["events_per_s"] for r in st.values())
-    g: dict[str, Any] = {"max embedded events/s >= 250k": f"{best:,} {'MET' if best >= 250_000 else 'MISSED'}"}
+    product = "embedded-front" if "embedded-front" in result["stream"] else "embedded"
+    best = max(r["events_per_s"] for r in result["stream"][product].values())
+    g: dict[str, Any] = {f"max {product} events/s >= 250k": f"{best:,} {'MET' if best >= 250_000 else 'MISSED'}"}
     for w, r in result["stream_ratio"].items():
-        g[f"embedded/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
+        g[f"(--front aiohttp) embedded/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
     for d in _present(result, "stream"):
         for w, r in (result.get(f"stream_{d}_ratio") or {}).items():
-            product = d.startswith("embedded-front")
-            what = "the product with --front compiled" if product else "design measured, not the product"
+            what = {"embedded-front": "the product's default, --front compiled",
+                    "embedded-front-rr": "the product's default front, --lb-policy round-robin"}.get(
+                        d, "design measured, not the product")
             g[f"({what}) {d}/nginx events at {w} workers >= 1.0 (floor 0.85)"] = r
     if "1" in st and "8" in st:
         s = round(st["8"]["events_per_s"] / st["1"]["events_per_s"], 2)

@@ -613,7 +613,7 @@ def main() -> int:
     ap.add_argument("--wrk", action="store_true", help="issue 12: measure with wrk (see the module doc)")
     ap.add_argument("--wrk-parts", default="small,stream,ttft", help="--wrk: which parts (comma-separated)")
     ap.add_argument("--wrk-seconds", type=float, default=5.0, help="--wrk: seconds per target per round")
-    ap.add_argument("--front", choices=("aiohttp", "compiled"), default="aiohttp",
+    ap.add_argument("--front", choices=("aiohttp", "compiled"), default="compiled",
                     help="--wrk: the daemon's workers' --front (small and ttft parts)")
     ap.add_argument("--cpu-requests", type=int, default=3000, help="--wrk: requests per CPU measurement")
     ap.add_argument("--cpu-rate", type=float, default=400.0, help="--wrk: about this many req/s for CPU")

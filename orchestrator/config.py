@@ -107,11 +107,13 @@ class Settings:
     # least_conn's and raised output tokens/s 1.9x; without sharing it routes by load like
     # least-outstanding (bench/routing_bench.py, bench/README.md).
     lb_policy: str = opt("prefix-affinity", "routing: " + ", ".join(LB_POLICIES), group="proxy")
-    # aiohttp by default: the compiled front (orchestrator/dataplane/front/path.py says what it
-    # lacks yet: --first-byte-timeout-s) is measured in bench/README.md.
-    front: str = opt("aiohttp", "what serves the embedded workers' native generate, generate_stream and infer "
-                     "requests: aiohttp, or compiled (a relay in C, experimental; every other request stays "
-                     "aiohttp's)", group="proxy")
+    # compiled by default: the workers' native generations through the C front carried 2.5-5x the
+    # events/s of the aiohttp workers on the 16-core machine and 0.999x NGINX's tiny requests/s on
+    # the 2-core box, against aiohttp's 0.84x (bench/README.md, docs/measured.md). Where the C
+    # module is not built (no compiler when setup.py ran) aiohttp serves every request, with a warning.
+    front: str = opt("compiled", "what serves the embedded workers' native generate, generate_stream and infer "
+                     "requests: compiled (a relay in C; every other request stays aiohttp's), or aiohttp",
+                     group="proxy")
     trusted_proxy: tuple[str, ...] = opt((), "peer address whose X-Forwarded-For is kept (repeat)",
                                          group="proxy", repeat=True, metavar="ADDR")
     max_body_bytes: int = opt(64 * 1024 * 1024, "largest request body accepted", group="proxy",
