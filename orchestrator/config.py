@@ -107,7 +107,7 @@ class Settings:
     # least_conn's and raised output tokens/s 1.9x; without sharing it routes by load like
     # least-outstanding (bench/routing_bench.py, bench/README.md).
     lb_policy: str = opt("prefix-affinity", "routing: " + ", ".join(LB_POLICIES), group="proxy")
-    # compiled by default: the workers' native generations through the C front carried 2.5-5x the
+    # compiled by default: the workers' native generations through the C front carried 2.5-4.5x the
     # events/s of the aiohttp workers on the 16-core machine and 0.999x NGINX's tiny requests/s on
     # the 2-core box, against aiohttp's 0.84x (bench/README.md, docs/measured.md). Where the C
     # module is not built (no compiler when setup.py ran) aiohttp serves every request, with a warning.
