@@ -190,7 +190,7 @@ class Balancer:
         one routes as no prompt, so parsing it (2-3 us a request) bought nothing."""
         if isinstance(self._policy, PrefixAffinity):
             return size >= DEFAULT_CHUNK_CHARS
-        return getattr(self._policy, "wants_prompt", False)
+        return self.wants_prompt
 
     @property
     def last_reason(self) -> str:

@@ -39,8 +39,9 @@
  *
  * The instance's deadlines are kept too (`upstream`: connect, silence between its bytes, and the
  * answer's head after the attempt began: --first-byte-timeout-s, retried elsewhere as the embedded
- * path's wait_for is; within a sweep's period, SWEEP_MS or the loop's timer); a pooled connection the instance closed before answering is retried once on a new one. Metrics are
- * Python's, from release()'s numbers (issue 22's next step: counted here instead).
+ * path's wait_for is, within a sweep's period: SWEEP_MS or the loop's timer); a pooled connection
+ * the instance closed before answering is retried once on a new one. Metrics are Python's, from
+ * release()'s numbers (issue 22's next step: counted here instead).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1675,8 +1676,8 @@ static PyMethodDef methods[] = {
     {"start", (PyCFunction)(void (*)(void))start, METH_VARARGS | METH_KEYWORDS,
      "start(listen_fd, ports, decide=None, release=None, handoff=None, hot_suffixes=None, max_body=1M, "
      "request_drop=None, response_drop=None, limits=None, head_answer=None, body_answer=None, trusted=None, "
-     "retry=None, answered=None, upstream=None (connect, idle[, first_byte]), first=None) -> the epoll fd to watch; then poll(), and sweep() "
-     "on a timer (the top of _front.c says what each is)"},
+     "retry=None, answered=None, upstream=None (connect, idle[, first_byte]), first=None) -> the epoll fd "
+     "to watch; then poll(), and sweep() on a timer (the top of _front.c says what each is)"},
     {"poll", poll_ready, METH_VARARGS, "poll(rounds=1) -> events handled: the ready ones, without waiting"},
     {"sweep", sweep, METH_NOARGS, "sweep(): cut the clients past their deadlines now"},
     {"open_count", open_count, METH_NOARGS, "open_count() -> client connections open now"},

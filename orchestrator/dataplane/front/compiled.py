@@ -45,11 +45,11 @@ def rules(limits: ClientLimits, keepalive_s: float, max_body: int,
             "trusted": trusted.__contains__ if trusted else None}
 
 
-
 def _upstream_deadlines(settings: Any) -> tuple[float, float, float]:
     """The instance's deadlines as the front keeps them: to connect, between its bytes, and for the
     answer's head after the attempt began (--first-byte-timeout-s; 0: none)."""
     return settings.connect_timeout_s, settings.idle_timeout_s, settings.first_byte_timeout_s
+
 
 class _Primed(asyncio.Protocol):
     """aiohttp's protocol for a connection the front handed over: fed the bytes the front had read
