@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
+import gc
 import json
 import logging
 import os
@@ -511,9 +512,16 @@ def ttft(workers: int, seconds: float, ncpu: int, counts: tuple[int, ...] = (1, 
 
 def _ttft(urls: list[str], streams: int, seconds: float, cpus: list[int]) -> dict[str, Any]:
     os.sched_setaffinity(0, cpus)
+    # The client's own collector off while it times: a full collection of this process (the bench
+    # and its Embedded target's pool) took 20-55 ms on the 16-core machine, and one landing in a
+    # row would stall its 256 streams at once, whichever target was measured then. (With it off,
+    # the front's p99 at 256 streams stayed +21-25 ms: that tail is the workers', not the client's.)
+    gc.collect()
+    gc.disable()
     try:
         return asyncio.run(raw_ttft([int(u.split(":")[2].split("/")[0]) for u in urls], streams, seconds))
     finally:
+        gc.enable()
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
