@@ -108,8 +108,8 @@ class Settings:
     # least-outstanding (bench/routing_bench.py, bench/README.md).
     lb_policy: str = opt("prefix-affinity", "routing: " + ", ".join(LB_POLICIES), group="proxy")
     # compiled by default: the workers' native generations through the C front carried 2.5-4.5x the
-    # events/s of the aiohttp workers on the 16-core machine and 0.999x NGINX's tiny requests/s on
-    # the 2-core box, against aiohttp's 0.84x (bench/README.md, docs/measured.md). Where the C
+    # events/s of the aiohttp workers on the 16-core machine and 0.885-0.999x NGINX's tiny requests/s
+    # on the 2-core box, against aiohttp's 0.84x (bench/README.md, docs/measured.md). Where the C
     # module is not built (no compiler when setup.py ran) aiohttp serves every request, with a warning.
     front: str = opt("compiled", "what serves the embedded workers' native generate, generate_stream and infer "
                      "requests: compiled (a relay in C; every other request stays aiohttp's), or aiohttp",
