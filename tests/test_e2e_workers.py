@@ -15,6 +15,8 @@ import urllib.request
 import psutil
 import pytest
 
+from orchestrator.config import Settings
+from orchestrator.dataplane import descriptors
 from tests.test_e2e_faults import Load, alive, post
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +62,8 @@ def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run,
         code, _ = post(run.url(GEN), body(f"w{i}"))
         assert code == 200
     assert sum(w["requests"] for w in workers(run)) >= 10
+    for pid in pids:  # grown at start-up, not under the first burst (descriptors.py says why)
+        assert descriptor_table(pid) >= min(descriptors.wanted(Settings().max_client_connections), open_limit(pid))
     # Three bursts, pooled: on this shared 2-core box a worker not scheduled for 20 ms leaves its
     # share to the other by design (accept_share.py), so a single burst was once 25/15.
     bursts = [connections_spread(run.listen_port, pids, 40) for _ in range(3)]
@@ -70,6 +74,18 @@ def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run,
     out = run.down()
     assert out.returncode == 0, out.stderr
     assert not [p for p in pids if psutil.pid_exists(p) and alive(psutil.Process(p))]
+
+
+def descriptor_table(pid: int) -> int:
+    """The size of a process's descriptor table (the kernel's FDSize)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("FDSize:")).split()[1])
+
+
+def open_limit(pid: int) -> int:
+    """A process's RLIMIT_NOFILE soft limit."""
+    with open(f"/proc/{pid}/limits") as f:
+        return int(next(line for line in f if line.startswith("Max open files")).split()[3])
 
 
 def connect_at_once(port: int, n: int) -> list:

@@ -42,7 +42,7 @@ from typing import Any
 
 from orchestrator import release
 from orchestrator.config import Settings, settings_from_json
-from orchestrator.dataplane import metric_values, shared_cells
+from orchestrator.dataplane import descriptors, metric_values, shared_cells
 from orchestrator.dataplane.accept_share import AcceptShare
 from orchestrator.dataplane.away_probe import AwayProber
 from orchestrator.dataplane.feed import FeedClient
@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("trtllm-orch.worker")
     settings = settings_from_json(json.loads(args.settings.read_text()))
     logging.getLogger().setLevel(settings.log_level.upper())
+    # Before any thread starts: grown later, under a burst, each doubling stalls the worker.
+    descriptors.reserve(descriptors.wanted(settings.max_client_connections))
     sockets = {}
     for name, fd in (("listen", args.listen_fd), ("metrics_listen", args.metrics_fd)):
         if fd >= 0:
