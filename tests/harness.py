@@ -245,6 +245,18 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _TRANSITION = re.compile(r"^\S+ \S+ \w+ instance=(\S+) gpus=\S+ (\w+) -> (\w+): (.*)$")
 
 
+def descriptor_table(pid: int) -> int:
+    """The size of a process's descriptor table (the kernel's FDSize)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("FDSize:")).split()[1])
+
+
+def open_limit(pid: int) -> int:
+    """A process's RLIMIT_NOFILE soft limit."""
+    with open(f"/proc/{pid}/limits") as f:
+        return int(next(line for line in f if line.startswith("Max open files")).split()[3])
+
+
 def log_stamp(line: str) -> float | None:
     """Epoch seconds of a daemon log line (cli.setup_logging's asctime format), or None."""
     m = _STAMP.match(line)

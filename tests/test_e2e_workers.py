@@ -17,6 +17,7 @@ import pytest
 
 from orchestrator.config import Settings
 from orchestrator.dataplane import descriptors
+from tests.harness import descriptor_table, open_limit
 from tests.test_e2e_faults import Load, alive, post
 
 pytestmark = pytest.mark.e2e
@@ -74,18 +75,6 @@ def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run,
     out = run.down()
     assert out.returncode == 0, out.stderr
     assert not [p for p in pids if psutil.pid_exists(p) and alive(psutil.Process(p))]
-
-
-def descriptor_table(pid: int) -> int:
-    """The size of a process's descriptor table (the kernel's FDSize)."""
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("FDSize:")).split()[1])
-
-
-def open_limit(pid: int) -> int:
-    """A process's RLIMIT_NOFILE soft limit."""
-    with open(f"/proc/{pid}/limits") as f:
-        return int(next(line for line in f if line.startswith("Max open files")).split()[3])
 
 
 def connect_at_once(port: int, n: int) -> list:

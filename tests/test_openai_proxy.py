@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import platform
+import resource
 import shutil
 from pathlib import Path
 
@@ -22,9 +24,11 @@ from aiohttp import web
 
 from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend
+from orchestrator.dataplane import descriptors
 from orchestrator.dataplane.embedded import EmbeddedProxy
 from orchestrator.dataplane.openai_listener import OpenAIListener
 from tests.fakes import RecordingBackends
+from tests.harness import descriptor_table
 
 pytestmark = pytest.mark.unit
 
@@ -404,6 +408,9 @@ async def test_openai_listener_serves_only_v1():
                                        trusted_proxy=("10.0.0.1",)), backends)
     await listener.start()
     try:
+        # the daemon's descriptor table grown at the start, not under NGINX's burst (descriptors.py)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert descriptor_table(os.getpid()) >= min(descriptors.wanted(Settings().max_client_connections), soft)
         backends.publish((Backend("0", "127.0.0.1", up.port, 1, 2),))
         url = f"http://127.0.0.1:{listener.bound_port}"
         async with aiohttp.ClientSession() as s:

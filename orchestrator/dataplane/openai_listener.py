@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from orchestrator.config import Settings
+from orchestrator.dataplane import descriptors
 from orchestrator.dataplane.embedded import EmbeddedProxy
 from orchestrator.dataplane.metrics import ProxyMetrics
 
@@ -29,6 +30,7 @@ class OpenAIListener:
     def __init__(self, settings: Settings, backends: Any, logger: logging.Logger | None = None,
                  metrics: ProxyMetrics | None = None) -> None:
         self._proxy = EmbeddedProxy(self._own(settings), backends, logger, metrics=metrics, openai_only=True)
+        self._max_clients = settings.max_client_connections
         self.metrics = self._proxy.metrics
 
     @staticmethod
@@ -42,6 +44,9 @@ class OpenAIListener:
         return self._proxy.bound_port
 
     async def start(self) -> None:
+        # The daemon's process, where NGINX opens a connection here per /v1/ request of a burst:
+        # its table grown now, once, not under the burst (descriptors.py says why).
+        descriptors.reserve(descriptors.wanted(self._max_clients))
         await self._proxy.start()
 
     async def stop(self, grace_s: float = 5.0) -> None:
