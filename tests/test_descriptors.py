@@ -67,3 +67,9 @@ def test_a_table_already_large_enough_is_left_as_it_is():
     r = reserve_in_child(16)
     assert r["after_size"] == r["before_size"] and r["same"]
 
+
+
+def test_a_worker_reserves_two_per_client_and_no_more_than_the_cap():
+    from orchestrator.dataplane import descriptors
+    assert descriptors.wanted(4096) == 2 * 4096 + descriptors.SLACK
+    assert descriptors.wanted(1_000_000) == descriptors.RESERVE_MAX  # not 8 MB per worker up front

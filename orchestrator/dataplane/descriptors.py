@@ -23,11 +23,16 @@ import resource
 # Beside two per client connection (the client's and the front's to an instance): the listening
 # and metrics sockets, the feed, shared files, the gRPC listener's, the hand-off's transient ones.
 SLACK = 1024
+# At most this many slots up front (512 KB of pointers): a cap of a million connections would
+# otherwise cost every worker 8 MB it may never use; past it the table grows under load, a few
+# doublings at most, each later than the one before.
+RESERVE_MAX = 1 << 16
 
 
 def wanted(max_client_connections: int) -> int:
-    """How many descriptors a worker holding `max_client_connections` clients may have open."""
-    return 2 * max_client_connections + SLACK
+    """How many descriptors a worker holding `max_client_connections` clients may have open, up to
+    RESERVE_MAX."""
+    return min(2 * max_client_connections + SLACK, RESERVE_MAX)
 
 
 def reserve(count: int) -> int:
