@@ -16,14 +16,12 @@ pytestmark = pytest.mark.process
 CHILD = r"""
 import json, os, resource, sys, threading, time
 from orchestrator.dataplane import descriptors
+from tests.harness import descriptor_table
 
 threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
 soft = int(sys.argv[2])
 if soft:
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-
-def fd_size():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("FDSize:")).split()[1])
 
 def open_fds():
     out = {}
@@ -35,11 +33,11 @@ def open_fds():
     return out
 
 keep = os.open(os.devnull, os.O_RDONLY)  # a descriptor of the process's own, to be left alone
-before_size, before = fd_size(), open_fds()
+before_size, before = descriptor_table(os.getpid()), open_fds()
 got = descriptors.reserve(int(sys.argv[1]))
 after = open_fds()
 os.close(keep)
-print(json.dumps({"got": got, "before_size": before_size, "after_size": fd_size(), "same": before == after,
+print(json.dumps({"got": got, "before_size": before_size, "after_size": descriptor_table(os.getpid()), "same": before == after,
                   "keep_open": keep in after}))
 """
 
@@ -66,7 +64,6 @@ def test_the_table_is_grown_only_as_far_as_the_process_may_open():
 def test_a_table_already_large_enough_is_left_as_it_is():
     r = reserve_in_child(16)
     assert r["after_size"] == r["before_size"] and r["same"]
-
 
 
 def test_a_worker_reserves_two_per_client_and_no_more_than_the_cap():
