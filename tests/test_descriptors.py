@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.harness import REPO
+
 pytestmark = pytest.mark.process
 
 CHILD = r"""
@@ -44,7 +46,7 @@ print(json.dumps({"got": got, "before_size": before_size, "after_size": descript
 
 def reserve_in_child(count: int, soft: int = 0) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, str(count), str(soft)], capture_output=True, text=True,
-                         timeout=60, check=True)
+                         timeout=60, check=True, cwd=REPO)  # the child imports tests.harness
     return json.loads(out.stdout)
 
 
