@@ -136,9 +136,16 @@ def test_every_pick_of_a_generation_reaches_the_cost_model_and_its_metrics(orch_
     run.start(timeout=120)
     asyncio.run(_http_load(run.url("/v2/models/ensemble")))
     _grpc_load(run.grpc_port)
-    m = scrape(run.metrics_port)
     n = N_STREAM + N_PLAIN + N_GRPC
-    assert total(m, "trtllm_orch_proxy_routing_decisions_total", policy="cost-model") == n
+    # A worker's front counts a little after the answers (front/path.py's ACCOUNT_AFTER_S), and a
+    # scrape through the other worker reads them as that one last wrote them.
+    deadline = time.monotonic() + 5
+    m = scrape(run.metrics_port)
+    decisions = "trtllm_orch_proxy_routing_decisions_total"
+    while total(m, decisions, policy="cost-model") < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+        m = scrape(run.metrics_port)
+    assert total(m, decisions, policy="cost-model") == n
     # each pick's prompt in tokens (its first token then ends the prefill the model counts as
     # pending there): before, only unit tests that called the metrics by hand saw one
     assert total(m, "trtllm_orch_proxy_route_prompt_tokens_count") == n

@@ -66,8 +66,9 @@ _LLM_ACTIONS = frozenset({"generate", "generate_stream", "infer"})
 _NOT_BLAMED = ("http_", "queue_full")
 # After the first event of a request sent now, after the next request of a client that answers at
 # once (tens of us busy, a few hundred idle); soon enough for `status` and `top` (a read of /metrics
-# folds first). A fold costs per instance and value more than per request: in process on the 2-core
-# box 10.7 us a request in batches of 10 (1 ms at a worker's 10k requests/s), 3.4 in 30, 1.7 in 100.
+# folds this worker's first; the other workers' counts it adds up are as they last folded them). A
+# fold costs per instance and value more than per request: in process on the 2-core box 10.7 us a
+# request in batches of 10 (1 ms at a worker's 10k requests/s), 3.4 in 30, 1.7 in 100.
 ACCOUNT_AFTER_S = 0.01
 _TARGETS_MAX = 4096
 
