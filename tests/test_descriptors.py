@@ -72,3 +72,4 @@ def test_a_worker_reserves_two_per_client_and_no_more_than_the_cap():
     from orchestrator.dataplane import descriptors
     assert descriptors.wanted(4096) == 2 * 4096 + descriptors.SLACK
     assert descriptors.wanted(1_000_000) == descriptors.RESERVE_MAX  # not 8 MB per worker up front
+    assert descriptors.wanted(4096, soft_limit=1024) == 1024  # no more than the process may open

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from tests.test_e2e_faults import SLACK_S, Load, alive, fault_case, get_code, post, rank_proc, start_run
-from tests.test_e2e_llm_metrics import N_PLAIN, N_STREAM, TOKEN_MS, TOKENS, TTFT_ABS_S, TTFT_REL, _http_load, scrape, \
-    total
+from tests.test_e2e_llm_metrics import N_PLAIN, N_STREAM, TOKEN_MS, TOKENS, TTFT_ABS_S, TTFT_REL, _http_load, \
+    scrape_counted, total
 
 pytestmark = pytest.mark.e2e
 
@@ -30,13 +30,7 @@ def test_the_compiled_front_serves_generations_counted_as_the_client_saw_them(or
     stream_ttft, plain_ttft, sse_events = asyncio.run(_http_load(run.url("/v2/models/ensemble")))
     assert sse_events == N_STREAM * TOKENS
 
-    # A worker counts a request just after its answer (front/path.py: `account`),
-    # and a scrape through one worker reads the others' counts as they last wrote them.
-    deadline = time.monotonic() + 5
-    m = scrape(run.metrics_port)
-    while total(m, "trtllm_orch_proxy_requests_total", code="200") < N_STREAM + N_PLAIN and time.monotonic() < deadline:
-        time.sleep(0.05)
-        m = scrape(run.metrics_port)
+    m = scrape_counted(run.metrics_port, "trtllm_orch_proxy_requests_total", N_STREAM + N_PLAIN, code="200")
     ttft = "trtllm_orch_proxy_time_to_first_token_seconds"
     assert total(m, f"{ttft}_count", api="generate_stream") == N_STREAM
     assert total(m, f"{ttft}_count", api="generate") == N_PLAIN

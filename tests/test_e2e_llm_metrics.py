@@ -125,6 +125,20 @@ def total(samples: dict, name: str, **match) -> float:
                if n == name and all(dict(labels).get(k) == val for k, val in match.items()))
 
 
+def scrape_counted(port: int, name: str, at_least: float, timeout_s: float = 5.0,
+                   **match) -> dict[tuple[str, tuple], float]:
+    """A scrape once `name`'s total (of the samples matching the labels) reaches `at_least`, else
+    the last one at the deadline: a worker counts a request a little after its answer (front/
+    path.py's ACCOUNT_AFTER_S), and a scrape through another worker reads that one's counts as
+    it last wrote them."""
+    deadline = time.monotonic() + timeout_s
+    m = scrape(port)
+    while total(m, name, **match) < at_least and time.monotonic() < deadline:
+        time.sleep(0.02)
+        m = scrape(port)
+    return m
+
+
 def close(proxy_mean: float, client_mean: float) -> bool:
     return abs(client_mean - proxy_mean) <= TTFT_ABS_S + TTFT_REL * client_mean and proxy_mean <= client_mean + 0.005
 
@@ -137,14 +151,8 @@ def test_every_pick_of_a_generation_reaches_the_cost_model_and_its_metrics(orch_
     asyncio.run(_http_load(run.url("/v2/models/ensemble")))
     _grpc_load(run.grpc_port)
     n = N_STREAM + N_PLAIN + N_GRPC
-    # A worker's front counts a little after the answers (front/path.py's ACCOUNT_AFTER_S), and a
-    # scrape through the other worker reads them as that one last wrote them.
-    deadline = time.monotonic() + 5
-    m = scrape(run.metrics_port)
     decisions = "trtllm_orch_proxy_routing_decisions_total"
-    while total(m, decisions, policy="cost-model") < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-        m = scrape(run.metrics_port)
+    m = scrape_counted(run.metrics_port, decisions, n, policy="cost-model")
     assert total(m, decisions, policy="cost-model") == n
     # each pick's prompt in tokens (its first token then ends the prefill the model counts as
     # pending there): before, only unit tests that called the metrics by hand saw one

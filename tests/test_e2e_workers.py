@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -19,6 +18,7 @@ from orchestrator.config import Settings
 from orchestrator.dataplane import descriptors
 from tests.harness import descriptor_table, open_limit
 from tests.test_e2e_faults import Load, alive, post
+from tests.test_e2e_llm_metrics import scrape, scrape_counted
 
 pytestmark = pytest.mark.e2e
 
@@ -29,28 +29,28 @@ def body(text: str, max_tokens: int = 2) -> bytes:
     return json.dumps({"text_input": text, "max_tokens": max_tokens, "bad_words": "", "stop_words": ""}).encode()
 
 
-def served_by_instance(run) -> dict[str, float]:
-    """Requests answered per instance, from the data plane's /metrics: a scrape through any
-    worker adds up every worker's counts (the instances' own counters also see the canary)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=5).read().decode()
+REQUESTS = "trtllm_orch_proxy_requests_total"
+
+
+def by_instance(samples: dict) -> dict[str, float]:
+    """Requests answered per instance in a scrape of the data plane's /metrics: a scrape through
+    any worker adds up every worker's counts (the instances' own counters also see the canary)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("trtllm_orch_proxy_requests_total{"):
-            iid = line.split('instance="', 1)[1].split('"', 1)[0]
-            out[iid] = out.get(iid, 0.0) + float(line.rsplit(" ", 1)[1])
+    for (name, labels), v in samples.items():
+        iid = dict(labels).get("instance")
+        if name == REQUESTS and iid is not None:
+            out[iid] = out.get(iid, 0.0) + v
     return out
 
 
-def served_once_more(run, before: dict[str, float], timeout_s: float = 5.0) -> dict[str, float]:
-    """served_by_instance once it counts one request more than `before`: a worker folds its counts
-    a little after the answer (front/path.py's ACCOUNT_AFTER_S), and a scrape through another
-    worker reads them as that one last wrote them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        after = served_by_instance(run)
-        if sum(after.values()) > sum(before.values()) or time.monotonic() > deadline:
-            return after
-        time.sleep(0.01)
+def served_by_instance(run) -> dict[str, float]:
+    return by_instance(scrape(run.metrics_port))
+
+
+def served_once_more(run, before: dict[str, float]) -> dict[str, float]:
+    """served_by_instance once it counts one request more than `before` (scrape_counted says why
+    it may have to wait)."""
+    return by_instance(scrape_counted(run.metrics_port, REQUESTS, sum(before.values()) + 1))
 
 
 def workers(run) -> list[dict]:
@@ -76,7 +76,7 @@ def test_up_runs_the_endpoint_in_worker_processes_and_down_leaves_none(orch_run,
         assert code == 200
     assert sum(w["requests"] for w in workers(run)) >= 10
     for pid in pids:  # grown at start-up, not under the first burst (descriptors.py says why)
-        assert descriptor_table(pid) >= min(descriptors.wanted(Settings().max_client_connections), open_limit(pid))
+        assert descriptor_table(pid) >= descriptors.wanted(Settings().max_client_connections, open_limit(pid))
     # Three bursts, pooled: on this shared 2-core box a worker not scheduled for 20 ms leaves its
     # share to the other by design (accept_share.py), so a single burst was once 25/15.
     bursts = [connections_spread(run.listen_port, pids, 40) for _ in range(3)]

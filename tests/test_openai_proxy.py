@@ -410,7 +410,7 @@ async def test_openai_listener_serves_only_v1():
     try:
         # the daemon's descriptor table grown at the start, not under NGINX's burst (descriptors.py)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        assert descriptor_table(os.getpid()) >= min(descriptors.wanted(Settings().max_client_connections), soft)
+        assert descriptor_table(os.getpid()) >= descriptors.wanted(Settings().max_client_connections, soft)
         backends.publish((Backend("0", "127.0.0.1", up.port, 1, 2),))
         url = f"http://127.0.0.1:{listener.bound_port}"
         async with aiohttp.ClientSession() as s:

@@ -29,10 +29,17 @@ SLACK = 1024
 RESERVE_MAX = 1 << 16
 
 
-def wanted(max_client_connections: int) -> int:
-    """How many descriptors a worker holding `max_client_connections` clients may have open, up to
-    RESERVE_MAX."""
-    return min(2 * max_client_connections + SLACK, RESERVE_MAX)
+def wanted(max_client_connections: int, soft_limit: int = resource.RLIM_INFINITY) -> int:
+    """How many descriptors a process holding `max_client_connections` clients may have open, up to
+    RESERVE_MAX and its RLIMIT_NOFILE soft limit: the table `reserve_for` grows."""
+    want = min(2 * max_client_connections + SLACK, RESERVE_MAX)
+    return want if soft_limit == resource.RLIM_INFINITY else min(want, soft_limit)
+
+
+def reserve_for(max_client_connections: int) -> int:
+    """Grow this process's table for `max_client_connections` clients (`wanted`), before the first
+    burst needs it; returns the size asked (`reserve`)."""
+    return reserve(wanted(max_client_connections))
 
 
 def reserve(count: int) -> int:

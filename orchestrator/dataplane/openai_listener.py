@@ -29,8 +29,10 @@ class OpenAIListener:
 
     def __init__(self, settings: Settings, backends: Any, logger: logging.Logger | None = None,
                  metrics: ProxyMetrics | None = None) -> None:
+        # The daemon's process, where NGINX opens a connection here per /v1/ request of a burst:
+        # its table grown now, once, not under the burst (descriptors.py says why).
+        descriptors.reserve_for(settings.max_client_connections)
         self._proxy = EmbeddedProxy(self._own(settings), backends, logger, metrics=metrics, openai_only=True)
-        self._max_clients = settings.max_client_connections
         self.metrics = self._proxy.metrics
 
     @staticmethod
@@ -44,9 +46,6 @@ class OpenAIListener:
         return self._proxy.bound_port
 
     async def start(self) -> None:
-        # The daemon's process, where NGINX opens a connection here per /v1/ request of a burst:
-        # its table grown now, once, not under the burst (descriptors.py says why).
-        descriptors.reserve(descriptors.wanted(self._max_clients))
         await self._proxy.start()
 
     async def stop(self, grace_s: float = 5.0) -> None:

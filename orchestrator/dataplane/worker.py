@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from_json(json.loads(args.settings.read_text()))
     logging.getLogger().setLevel(settings.log_level.upper())
     # Before any thread starts: grown later, under a burst, each doubling stalls the worker.
-    descriptors.reserve(descriptors.wanted(settings.max_client_connections))
+    descriptors.reserve_for(settings.max_client_connections)
     sockets = {}
     for name, fd in (("listen", args.listen_fd), ("metrics_listen", args.metrics_fd)):
         if fd >= 0:
