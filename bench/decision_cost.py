@@ -106,6 +106,18 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
         shared = shared._replace(turns=SharedTurns(stamps))
     except ImportError:
         pass
+    # What the daemon sends with each snapshot (EngineSnapshot.routed, controlplane/workers.py's
+    # `_routed`): every worker's count there, as the latest choice over it read it (an older tree
+    # has no such field: its snapshots go without).
+    turns = getattr(shared, "turns", None)
+    sends_routed = "routed" in getattr(EngineSnapshot, "__dataclass_fields__", {})
+
+    def routed(i: int) -> dict[str, int]:
+        if not sends_routed:
+            return {}
+        now_count = table.inflight(i)
+        return {"routed": now_count if turns is None else turns.stamps.routed(str(i), now_count)}
+
     balancer = Balancer(policy_name, rng=random.Random(1), clock=clock, shared=shared)
     policy = balancer._policy
     if hasattr(policy, "_clock"):
@@ -115,13 +127,14 @@ def _measure(policy_name: str, instances: int, kind: str, rate: str, tmp: Path) 
     def scrape() -> None:
         """Every engine's next snapshot: 5 iterations of 20 ms since the last, 2000 prompt tokens
         in every other scrape, as a busy engine's; fed to the views as the worker's feed does,
-        FEED_DELAY_S after it was taken."""
+        FEED_DELAY_S after it was taken, with the daemon's count (`routed`)."""
         k = state["k"]
         for i, v in enumerate(views):
             v.update(EngineSnapshot(at=now[0] - FEED_DELAY_S, active=6, max_active=8, scheduled=6, kv_max=256,
                                     kv_used=100, tokens_per_block=64, iteration=float(5 * k + i),
                                     timestamp_us=int(state["ts"] * 1e6), context_tokens=2000 * (k % 2),
-                                    finished=3 * k, input_tokens=6300 * k, output_tokens=60 * k, kv_reused=40 * k))
+                                    finished=3 * k, input_tokens=6300 * k, output_tokens=60 * k, kv_reused=40 * k,
+                                    **routed(i)))
         state["ts"] += 0.1 + 0.0001 * 2000 * (k % 2)
         state["k"] = k + 1
 

@@ -72,6 +72,33 @@ def test_a_snapshot_counts_ours_as_the_daemon_read_them_not_as_this_worker_last_
     assert requests([a, b], inflight, NOW + 0.01)["0"] == 3 + 2
 
 
+def test_counts_are_noted_only_while_the_snapshots_come_without_the_daemons_count():
+    """A policy's notes of its counts stand in for the daemon's (EngineSnapshot.routed): where the
+    snapshots carry it (a data-plane worker's) no choice notes its candidates (1.5-2 us of a
+    decision at 16); snapshots without it again (an older daemon) start the notes afresh."""
+    clock = [NOW - 0.5]
+    a, b = backend("0"), backend("1")
+    policy = KvAware(random.Random(1), clock=lambda: clock[0])
+    history = policy.history
+    policy.choose([a, b], (), {"0": 0, "1": 0})  # no snapshot yet: noted
+    assert history.noting and history.at("0", NOW - 0.5) is not None
+    for view, n in ((a.engine, 1), (b.engine, 0)):
+        view.update(EngineSnapshot(at=NOW - 0.4, active=n, max_active=8, kv_max=100, iteration=1.0, routed=n))
+    for k, inflight in enumerate(({"0": 1, "1": 0}, {"0": 1, "1": 1}, {"0": 2, "1": 2})):
+        clock[0] = NOW - 0.3 + 0.01 * k
+        policy.choose([a, b], (), inflight)
+    assert not history.noting
+    assert history.at("0", NOW - 0.3) == history.at("0", NOW - 0.5)  # nothing noted since
+    a.engine.update(snap(active=2, at=NOW - 0.1))
+    b.engine.update(snap(active=2, at=NOW - 0.1))
+    clock[0] = NOW
+    # the notes before the pause are not taken to hold through it: 0 foreign against 2 of ours
+    assert policy.choose([a, b], (), {"0": 2, "1": 2}) is not None
+    assert history.noting and history.at("0", NOW - 0.5) is None
+    assert history.at("0", NOW) is not None and history.at("1", NOW) is not None
+    assert requests([a, b], {"0": 2, "1": 2}, NOW, history) == {"0": 2.0, "1": 2.0}
+
+
 def test_one_stale_snapshot_means_inflight_counts_for_everyone():
     a = backend("0", snap(active=8, at=NOW - 5))  # stale
     b = backend("1", snap(active=8))
