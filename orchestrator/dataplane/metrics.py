@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -173,9 +173,10 @@ class ProxyMetrics:
     def observe_latencies(self, instance: str, seconds: list[float]) -> None:
         observe_many(self._latency_child(instance), seconds)
 
-    def first_tokens(self, instance: str, api: str, firsts: list[tuple[float, float]]) -> None:
-        """Times to first token (seconds, when the event reached the client), as TokenTimer.events
-        observes each: the histogram and the recent window."""
+    def first_tokens(self, instance: str, api: str, firsts: Sequence[tuple[float, float]]) -> None:
+        """Times to first token (seconds, when the event reached the client): the histogram and the
+        recent window. What a first token counts, for a batch of the compiled front's and for
+        TokenTimer.events' one."""
         observe_many(self.llm_children(instance, api)[0], [first for first, _ in firsts])
         recent = self.recent
         for first, at in firsts:
@@ -397,12 +398,10 @@ class TokenTimer:
         children = self._children
         if children is None:
             children = self._children = self._metrics.llm_children(instance, self.api)
-        ttft, itl, count = children
-        recent = self._metrics.recent
+        _, itl, count = children
         if self._last is None:
             first = now - self.started
-            ttft.observe(first)
-            recent.first_token(instance, first, now)
+            self._metrics.first_tokens(instance, self.api, ((first, now),))
             self.first_token(first, now)
         else:
             itl.observe(now - self._last)
@@ -410,7 +409,7 @@ class TokenTimer:
             _observe_zeros(itl, n - 1)
         self._last = now
         count.inc(n)
-        recent.events(instance, n, now)
+        self._metrics.recent.events(instance, n, now)
 
     def first_token(self, first: float, now: float) -> None:
         """The routing model's pick, where one waits, learns its first token came `first` s after
