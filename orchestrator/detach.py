@@ -58,7 +58,8 @@ def wait_ready(sd: StateDir, timeout_s: float, which: Callable[[dict], bool] = l
             return last
         time.sleep(0.1)
     raise OrchError(f"no ready daemon within {timeout_s:g}s (last status: "
-                    f"{(last or {}).get('ready', 0)}/{(last or {}).get('total', '?')} ready); see {sd.daemon_log_path}\n"
+                    f"{(last or {}).get('ready', 0)}/{(last or {}).get('total', '?')} ready); "
+                    f"see {sd.daemon_log_path}\n"
                     + _tail(sd))
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from orchestrator.errors import UsageError
-from orchestrator.topology import RankAffinity, Topology, crosses_sockets, describe_link, group_gpus, group_link, group_sockets
+from orchestrator.topology import (RankAffinity, Topology, crosses_sockets, describe_link, group_gpus, group_link,
+                                   group_sockets)
 
 PORTS_PER_INSTANCE = 3  # http, grpc, metrics
 

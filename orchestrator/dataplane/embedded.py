@@ -57,9 +57,10 @@ from orchestrator.routing.llm_policies import RouteHints
 from orchestrator.dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.dataplane.metrics import NO_INSTANCE, ProxyMetrics, SseCounter, TokenTimer
 from orchestrator.routing.prompt import prompt_of_json
-from orchestrator.routing.surface import ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY, Surface
-from orchestrator.dataplane.upstream import (BadResponse, ConnectFailed, ConnectTimeout, Disconnected, HeadTimeout, UpstreamPool,
-                       UpstreamResponse)
+from orchestrator.routing.surface import (ADMIN, BAD_PATH, LIVE, METHOD_NOT_ALLOWED, NOT_FOUND, OPENAI, PUBLIC, READY,
+                                          Surface)
+from orchestrator.dataplane.upstream import (BadResponse, ConnectFailed, ConnectTimeout, Disconnected, HeadTimeout,
+                                            UpstreamPool, UpstreamResponse)
 
 if TYPE_CHECKING:  # imported at run time only when the OpenAI API is on
     from orchestrator.dataplane.openai_frontend import NativeCall

@@ -38,12 +38,12 @@ from prometheus_client import Counter
 from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend
 from orchestrator.dataplane.metrics import ProxyMetrics
-from orchestrator.dataplane.openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader, Translation,
-                         decode_json, error_body, model_body, models_body, native_body, native_error,
-                         parse_request, stream_error)
+from orchestrator.dataplane.openai_api import (CHAT, COMPLETIONS, QUEUE_FULL_TEXT, GenRequest, OpenAIError, SSEReader,
+                                              Translation, decode_json, error_body, model_body, models_body,
+                                              native_body, native_error, parse_request, stream_error)
 from orchestrator.dataplane.openai_model import ModelFacts, load_model_facts
-from orchestrator.routing.surface import (METHOD_NOT_ALLOWED, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_MODEL, OPENAI_MODELS,
-                      Route)
+from orchestrator.routing.surface import (METHOD_NOT_ALLOWED, OPENAI, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_MODEL,
+                                          OPENAI_MODELS, Route)
 from orchestrator.tasks import cancel_and_wait
 
 _JSON = "application/json"

@@ -294,7 +294,8 @@ def _compiled_slots(mm: mmap.mmap, slots: int) -> Any:
     if compiled is None:
         return None
     try:
-        return compiled.Slots(mm, _SLOTS_OFF, slots, _FORGOTTEN_OFF, PROBE, _INSTANCE_NAMES, KEY_BYTES, HOLDERS, SLOT_SIZE)
+        return compiled.Slots(mm, _SLOTS_OFF, slots, _FORGOTTEN_OFF, PROBE, _INSTANCE_NAMES, KEY_BYTES, HOLDERS,
+                              SLOT_SIZE)
     except ValueError as exc:  # a module built from another version's layout: the Python slots are right
         logging.getLogger("trtllm_orch.proxy").warning("prefix index: %s; its slots run in Python", exc)
         return None
