@@ -282,9 +282,10 @@ def _snapshot_terms(history: InflightHistory, instance_id: str, snap: EngineSnap
 def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
              history: InflightHistory | None, note: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """(instance_id -> requests: ours + foreign, instance_id -> the same with KV pressure added);
-    ours alone for every candidate when any candidate's snapshot is stale. One pass: every
-    choice runs it over every candidate. With `note`, each count read is also noted in `history`
-    at `now` (InflightHistory.note_counts): the choice then notes only what it adds (`note_choice`)."""
+    ours alone for every candidate when any candidate's snapshot is stale. One pass over the
+    candidates: every choice runs it. With `note`, and while the history keeps notes
+    (InflightHistory.noting), each count read is also noted at `now` in a second pass
+    (InflightHistory.note_counts): the choice then notes only what it adds (`note_choice`)."""
     if history is None:
         history = InflightHistory()  # nothing noted: `foreign` from the snapshots alone
     if note and history.shared is not None:
