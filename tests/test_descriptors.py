@@ -39,8 +39,8 @@ before_size, before = descriptor_table(os.getpid()), open_fds()
 got = descriptors.reserve(int(sys.argv[1]))
 after = open_fds()
 os.close(keep)
-print(json.dumps({"got": got, "before_size": before_size, "after_size": descriptor_table(os.getpid()), "same": before == after,
-                  "keep_open": keep in after}))
+print(json.dumps({"got": got, "before_size": before_size, "after_size": descriptor_table(os.getpid()),
+                  "same": before == after, "keep_open": keep in after}))
 """
 
 

@@ -32,8 +32,12 @@ RESERVE_MAX = 1 << 16
 def wanted(max_client_connections: int, soft_limit: int = resource.RLIM_INFINITY) -> int:
     """How many descriptors a process holding `max_client_connections` clients may have open, up to
     RESERVE_MAX and its RLIMIT_NOFILE soft limit: the table `reserve_for` grows."""
-    want = min(2 * max_client_connections + SLACK, RESERVE_MAX)
-    return want if soft_limit == resource.RLIM_INFINITY else min(want, soft_limit)
+    return _within(min(2 * max_client_connections + SLACK, RESERVE_MAX), soft_limit)
+
+
+def _within(count: int, soft_limit: int) -> int:
+    """`count`, or the RLIMIT_NOFILE soft limit where that is lower: as many as a process may open."""
+    return count if soft_limit == resource.RLIM_INFINITY else min(count, soft_limit)
 
 
 def reserve_for(max_client_connections: int) -> int:
@@ -47,8 +51,7 @@ def reserve(count: int) -> int:
     RLIMIT_NOFILE soft limit lets it open; returns the size asked of the kernel (0: nothing to
     do). No open descriptor moves or closes: a duplicate is made at the lowest free number at
     or above the top one, then closed."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = count if soft == resource.RLIM_INFINITY else min(count, soft)
+    top = _within(count, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     if top <= 3:
         return 0
     probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
