@@ -33,6 +33,29 @@ def snap(active=0, waiting=0, max_active=8, kv_used=0, kv_max=100, at=NOW, itera
                           kv_max=kv_max, iteration=iteration)
 
 
+def test_a_workers_policy_notes_no_counts_until_a_snapshot_comes_without_the_daemons(tmp_path):
+    """A data-plane worker's policy (shared turns) routes on snapshots the daemon sends with its
+    count: it notes nothing from the start, where its instances export no TRT-LLM numbers (none
+    ever comes) as where they do; snapshots without the count (columns the table lacks) start notes."""
+    from orchestrator.dataplane.shared_stamps import SharedStamps
+    from orchestrator.routing.llm_policies import SharedTurns
+
+    clock = [NOW]
+    a, b = backend("0"), backend("1")
+    policy = PrefixAffinity(random.Random(1), clock=lambda: clock[0],
+                            turns=SharedTurns(SharedStamps.create(tmp_path / "turns")))
+    history = policy.history
+    for k in range(3):  # no snapshot: routed by our counts alone
+        clock[0] = NOW + 0.01 * k
+        assert policy.choose([a, b], (), {"0": k + 1, "1": 0}).instance_id == "1"
+    assert not history.noting and history.at("0", NOW + 0.05) is None
+    a.engine.update(snap(active=2, at=NOW + 0.05))  # no `routed`: not the daemon's
+    b.engine.update(snap(active=0, at=NOW + 0.05))
+    clock[0] = NOW + 0.1
+    policy.choose([a, b], (), {"0": 2, "1": 0})
+    assert history.noting and history.at("0", NOW + 0.1) == 2
+
+
 def test_loads_add_foreign_work_and_kv_pressure():
     a = backend("0", snap(active=6, waiting=2, kv_used=50))
     b = backend("1", snap(active=1))

@@ -174,6 +174,9 @@ class InflightHistory:
         # Whether choices note counts in `_series`: only while snapshots come without the daemon's
         # count (EngineSnapshot.routed), which the notes stand in for. A data-plane worker's
         # snapshots carry it, and noting 16 candidates' counts was 1.5-2 us of a 15-20 us decision.
+        # A worker's policy starts without notes (`_LoadAware`): its daemon sends the count with
+        # every snapshot, and until one comes (a cold start, or instances without TRT-LLM
+        # metrics: none ever) the notes were kept for nothing, half of its decision at 16.
         self.noting = True
 
     def prime(self, instance_id: str, snap: EngineSnapshot, now: float) -> None:
@@ -457,8 +460,11 @@ class _LoadAware:
         self._clock = clock
         self._turns: Turns | SharedTurns = turns if turns is not None else Turns()
         self.history = InflightHistory()
-        if turns is not None:  # its notes go where every worker's do
+        if turns is not None:  # a data-plane worker's: its notes go where every worker's do
             self.history.shared = turns.stamps
+            # and its snapshots come with the daemon's count (WorkerPool._routed): none to note for
+            # them; one without (a column the table lacks) starts the notes (InflightHistory.heard)
+            self.history.noting = False
         self.last_reason = ""
 
     def _measure(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int]
