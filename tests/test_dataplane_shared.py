@@ -415,6 +415,32 @@ def test_the_daemon_sends_its_eviction_verdict_with_each_snapshot_and_to_a_worke
     assert m.backends.current()[1].engine.latest.gone_before == 1.1
 
 
+async def test_a_pool_started_after_its_instances_were_ready_publishes_their_engine_numbers(tmp_path, monkeypatch):
+    """The ready set was published before the pool subscribed (the data-plane bench's; a daemon's
+    instances become ready after): each snapshot still reaches the workers as it comes, with every
+    worker's count (a worker that connects gets the latest one from the view itself)."""
+    from orchestrator.controlplane.workers import WorkerPool
+    from orchestrator.health.engine_state import EngineSnapshot, EngineView
+
+    async def no_workers(count: int) -> None:  # the pool's own part, no worker processes
+        pass
+
+    ready = ReadyBackends()
+    view = EngineView()
+    ready.publish((Backend("1", "127.0.0.1", 9001, 9101, 9201, engine=view),))
+    pool = WorkerPool(Settings(listen="127.0.0.1:0", metrics_listen="", grpc_listen=""), ready, tmp_path)
+    monkeypatch.setattr(pool, "_grow", no_workers)
+    await pool.start()
+    try:
+        sent: list[dict] = []
+        monkeypatch.setattr(pool._feed, "broadcast", sent.append)  # what the connected workers get
+        view.update(EngineSnapshot(at=1.0, active=2, iteration=1.0))
+        assert [(m["iid"], m["snap"]["active"], m["routed"]) for m in sent if m["t"] == "engine"] == [("1", 2, 0)]
+    finally:
+        await pool.stop(0)
+    assert not view.listeners
+
+
 def test_counts_noted_before_a_policy_switch_are_not_sent_after_it(tmp_path):
     # A reload to least-outstanding (whose choices note nothing) left the row as the last
     # prefix-affinity choice wrote it: the daemon sent that count with every snapshot after, so

@@ -137,6 +137,9 @@ class WorkerPool:
                 await self._start_feed()
             self._write_settings()
             self._unsubscribe = self._backends.subscribe(self._on_members)
+            # A set published before (a daemon publishes after: its instances are not ready yet)
+            # reaches the workers in their hello; its engine numbers from its next snapshots.
+            self._hook_views(self._backends.current())
             if self._resize_task is None:  # adopting: _after_handover grows once it has the sockets
                 await self._grow(s.worker_count())
         except BaseException:
@@ -510,7 +513,11 @@ class WorkerPool:
             return  # adopted workers keep what they route to until an instance is ready here
         self._adopting = False
         self._feed.broadcast(_members(backends))
-        for b in backends:  # publish each ready instance's engine snapshots as they come
+        self._hook_views(backends)
+
+    def _hook_views(self, backends: tuple[Backend, ...]) -> None:
+        """Publish each ready instance's engine snapshots as they come (once per view)."""
+        for b in backends:
             view = b.engine
             if view is None or b.instance_id in self._hooked and self._hooked[b.instance_id][0] is view:
                 continue
