@@ -279,24 +279,42 @@ class Split(Nginx):
         super().__exit__(*exc)  # NGINX, then its prefix (the state and sockets in it)
 
 
+# The engine numbers the daemon's monitor would publish for each source (Embedded.engine_numbers),
+# every SCRAPE_S as the daemon scrapes: a TRT-LLM engine of SLOTS batch slots running every request
+# sent there (a source serves them all at once), with a KV cache half full.
+SCRAPE_S = 0.1
+SLOTS = 256
+
+
 class Embedded:
-    """The product's WorkerPool on its own event loop thread (wrk runs beside it)."""
+    """The product's WorkerPool on its own event loop thread (wrk runs beside it).
+
+    With `engine_numbers` (the default; --no-engine-numbers: the runs before 2026-11-29) each
+    source's engine snapshots are published as the daemon publishes what its engine monitor
+    scrapes, with every worker's count (`routed`): the workers' policy decides on fresh snapshots,
+    as it does in a deployment of TRT-LLM engines. Without, the sources export no TRT-LLM metrics
+    and every decision takes the stale path (ours alone: llm_policies._counted)."""
 
     front = "aiohttp"  # --front (the product's default is compiled: EmbeddedFront)
     policy: str | None = None  # --lb-policy (None: the default)
+    engine_numbers = True  # main's --no-engine-numbers
 
     def __init__(self, workers: int, ports: list[int], port: int) -> None:
         from orchestrator.config import Settings
+        from orchestrator.health.engine_state import EngineView
         from orchestrator.routing.backends import Backend, ReadyBackends
         self.settings = Settings(listen=f"127.0.0.1:{port}", grpc_listen="", metrics_listen="",
                                  proxy_workers=str(workers), log_level="warning", front=self.front,
                                  **({"lb_policy": self.policy} if self.policy else {}))
         self.backends = ReadyBackends()
-        self.backends.publish(tuple(Backend(str(i), "127.0.0.1", p, p, p) for i, p in enumerate(ports)))
+        self.backends.publish(tuple(Backend(str(i), "127.0.0.1", p, p, p,
+                                            engine=EngineView() if self.engine_numbers else None)
+                                    for i, p in enumerate(ports)))
         self.state = Path(tempfile.mkdtemp(prefix="bench-dp-state-"))
         self.port = port
         self.loop = asyncio.new_event_loop()
         self.pool: Any = None
+        self._scrapes: Any = None  # the engine monitor's stand-in (a future on self.loop), this object's
 
     def __enter__(self) -> "Embedded":
         import threading
@@ -305,7 +323,25 @@ class Embedded:
         self.thread.start()
         self.pool = WorkerPool(self.settings, self.backends, self.state, logging.getLogger("bench.dataplane"))
         asyncio.run_coroutine_threadsafe(self.pool.start(), self.loop).result(60)
+        if self.engine_numbers:
+            self._scrapes = asyncio.run_coroutine_threadsafe(self._scrape(), self.loop)
         return self
+
+    async def _scrape(self) -> None:
+        """Every SCRAPE_S, each source's engine as a TRT-LLM engine would report it: what the pool
+        has in flight there is active (the pool publishes it to the workers with `routed`)."""
+        from orchestrator.health.engine_state import EngineSnapshot
+        k = 0
+        while True:
+            inflight = self.pool.inflight()
+            now = time.monotonic()
+            for b in self.backends.current():
+                n = inflight.get(b.instance_id, 0)
+                b.engine.update(EngineSnapshot(at=now, active=n, max_active=SLOTS, scheduled=n, kv_max=4096,
+                                               kv_used=2048, kv_free=2048, tokens_per_block=64,
+                                               iteration=float(k), timestamp_us=int(now * 1e6)))
+            k += 1
+            await asyncio.sleep(SCRAPE_S)
 
     def pids(self) -> list[int]:
         return self.pool.pids()
@@ -319,6 +355,8 @@ class Embedded:
         return lines[-limit:]
 
     def __exit__(self, *exc: Any) -> None:
+        if self._scrapes is not None:
+            self._scrapes.cancel()
         asyncio.run_coroutine_threadsafe(self.pool.stop(2.0), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
@@ -637,11 +675,18 @@ def _stream_table(result: dict[str, Any], key: str, events: int) -> list[str]:
     return lines
 
 
+def _engine_numbers(result: dict[str, Any]) -> str:
+    if result.get("engine_numbers"):
+        return f"published every {SCRAPE_S:g} s as the daemon's monitor does (the policy's fresh path)"
+    return "none (the policy's stale path: ours alone)"
+
+
 def report(result: dict[str, Any]) -> str:
     prompt = (f"a {result['prompt_chars']}-character tenant prompt + a question ({result['body_bytes']}-byte body)"
               if result.get("prompt_chars") else "a short question (shorter than one prefix chunk)")
     lines = [f"# dataplane_bench {result['stamp']}", "", f"Machine: {result['machine']}; workers' event loop: "
-             f"{result.get('event_loop', 'not recorded')}; every request: {prompt}", ""]
+             f"{result.get('event_loop', 'not recorded')}; every request: {prompt}; the sources' engine "
+             f"numbers: {_engine_numbers(result)}", ""]
     lines += _stream_table(result, "stream", result["events_per_stream"])
     if result.get("stream_long"):
         lines += [""] + _stream_table(result, "stream_long", result["long_events_per_stream"])
@@ -764,7 +809,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-chars", type=int, default=0,
                     help="a tenant's system prompt of this many characters before every request's question "
                          "(0: the short question alone, shorter than one prefix chunk)")
+    ap.add_argument("--no-engine-numbers", action="store_true",
+                    help="publish no engine snapshots for the sources (as the runs before 2026-11-29): every "
+                         "decision of the embedded targets takes the stale path")
     args = ap.parse_args(argv)
+    Embedded.engine_numbers = not args.no_engine_numbers
     BODY = body_of(args.prompt_chars)
     chosen = args.targets.split(",")
     unknown = sorted(set(chosen) - {name for name, _ in TARGETS})
@@ -788,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{sys.version.split()[0]}", "workers": workers, "default_workers": default_w,
                               "connections": CONNECTIONS, "sources": SOURCES, "source_procs": args.source_procs,
                               "events_per_stream": EVENTS, "prompt_chars": args.prompt_chars,
+                              "engine_numbers": Embedded.engine_numbers,
                               "body_bytes": len(BODY),
                               "seconds": args.seconds,
                               # the workers run this interpreter: uvloop when it imports (a dependency)
