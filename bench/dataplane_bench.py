@@ -17,6 +17,9 @@ the same sources:
     and default policy on the workers' shared table and prefix index) choose each route;
   - embedded-front: the product's workers with --front compiled (the C front of
     orchestrator/dataplane/front/ serving the native generations with the embedded path's rules);
+    the sources' engine numbers published as the daemon publishes what it scrapes (Embedded), so
+    the default decides on fresh snapshots as in a deployment; embedded-front-stale: the same
+    without (every run before 2026-11-29: the default's stale path, our counts alone);
   - front-*: the compiled front of issue 22's plan as a bare relay, not a product mode: W processes relaying in
     C (orchestrator/dataplane/front/_front.c), deciding in C (front-c: least requests in flight) or calling
     the product's balancer and default policy once per request (front-py); front-py-loop is
@@ -370,6 +373,13 @@ class EmbeddedFront(Embedded):
     front = "compiled"
 
 
+class EmbeddedFrontStale(EmbeddedFront):
+    """The same with no engine numbers for the sources (every run before 2026-11-29): the default
+    decides on its stale path (our counts alone), where instances export no TRT-LLM metrics."""
+
+    engine_numbers = False
+
+
 class EmbeddedFrontRoundRobin(EmbeddedFront):
     """The same with --lb-policy round-robin: what a cheap decision buys (the default's pick,
     prompt parse and hints are about 13 us of a 17 us decision on the 2-core box; round-robin's
@@ -464,6 +474,7 @@ class CompiledFrontFullRules(CompiledFront):
 # compiled relay deciding in C, or calling the product's Python policy), not product modes.
 TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded),
                                         ("embedded-front", EmbeddedFront),
+                                        ("embedded-front-stale", EmbeddedFrontStale),
                                         ("embedded-front-rr", EmbeddedFrontRoundRobin),
                                         ("split", Split),
                                         ("front-c", CompiledFront), ("front-py", CompiledFrontPython),
@@ -472,13 +483,14 @@ TARGETS: tuple[tuple[str, Any], ...] = (("nginx", Nginx), ("embedded", Embedded)
                                         ("front-py-lo", CompiledFrontLeastOutstanding),
                                         ("front-rules", CompiledFrontWithRules),
                                         ("front-full", CompiledFrontFullRules))
-STYLES = (("embedded", "o-"), ("embedded-front", "o-."), ("embedded-front-rr", "o:"), ("split", "^-"),
+STYLES = (("embedded", "o-"), ("embedded-front", "o-."), ("embedded-front-stale", "d-."), ("embedded-front-rr", "o:"),
+          ("split", "^-"),
           ("front-c", "v-"), ("front-py", "D-"), ("front-py-loop", "x-"),
           ("front-py-drain", "+-"), ("front-py-lo", "<-"), ("front-rules", ">-"), ("front-full", "*-"),
           ("nginx", "s--"))
 # the designs measured beside the product, each divided by NGINX in its own columns
-DESIGNS = ("embedded-front", "embedded-front-rr", "split", "front-c", "front-py", "front-py-loop", "front-py-drain",
-           "front-py-lo", "front-rules", "front-full")
+DESIGNS = ("embedded-front", "embedded-front-stale", "embedded-front-rr", "split", "front-c", "front-py", "front-py-loop",
+           "front-py-drain", "front-py-lo", "front-rules", "front-full")
 
 
 # --- one measurement ------------------------------------------------------------------------------
@@ -813,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="publish no engine snapshots for the sources (as the runs before 2026-11-29): every "
                          "decision of the embedded targets takes the stale path")
     args = ap.parse_args(argv)
-    Embedded.engine_numbers = not args.no_engine_numbers
+    if args.no_engine_numbers:
+        Embedded.engine_numbers = False
     BODY = body_of(args.prompt_chars)
     chosen = args.targets.split(",")
     unknown = sorted(set(chosen) - {name for name, _ in TARGETS})
