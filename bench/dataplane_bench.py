@@ -489,8 +489,8 @@ STYLES = (("embedded", "o-"), ("embedded-front", "o-."), ("embedded-front-stale"
           ("front-py-drain", "+-"), ("front-py-lo", "<-"), ("front-rules", ">-"), ("front-full", "*-"),
           ("nginx", "s--"))
 # the designs measured beside the product, each divided by NGINX in its own columns
-DESIGNS = ("embedded-front", "embedded-front-stale", "embedded-front-rr", "split", "front-c", "front-py", "front-py-loop",
-           "front-py-drain", "front-py-lo", "front-rules", "front-full")
+DESIGNS = ("embedded-front", "embedded-front-stale", "embedded-front-rr", "split", "front-c", "front-py",
+           "front-py-loop", "front-py-drain", "front-py-lo", "front-rules", "front-full")
 
 
 # --- one measurement ------------------------------------------------------------------------------
