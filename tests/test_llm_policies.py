@@ -505,3 +505,88 @@ def test_inflight_history_answers_from_a_long_busy_series():
     assert history.at("0", now - 2.0) is not None  # the last note at the window's start is kept
     assert history.at("0", 99.0) is None  # nothing noted that early
     assert len(history._series["0"].times) < 6000  # older notes were let go
+
+
+def _random_state(seed: int, tmp_path, shared: bool):
+    """A ready set of 1-8 instances in every state the no-cache choice meets: no view, no snapshot,
+    one without TRT-LLM numbers, stale, with and without the daemon's count, terms worked out or
+    not; counts missing or not; turns of one policy or the workers' (stamps tied or not)."""
+    from orchestrator.dataplane.shared_stamps import SharedStamps
+    from orchestrator.routing.llm_policies import InflightHistory, SharedTurns, Turns
+
+    rng = random.Random(seed)
+    now = NOW + 5.0
+    plain = rng.random() < 0.6  # most states: every snapshot fresh, as a busy deployment's
+    backends, inflight = [], {}
+    history = InflightHistory()
+    for i in range(rng.randint(1, 8)):
+        iid = str(i)
+        if not plain and rng.random() < 0.1:
+            backends.append(Backend(iid, "127.0.0.1", 1, 2, 3, engine=None))
+            continue
+        view = EngineView(stale_after_s=1.0)
+        kind = "fresh" if plain else rng.choice(["fresh", "fresh", "none", "no-engine", "stale"])
+        if kind != "none":
+            age = 2.0 if kind == "stale" else rng.choice([0.5, 0.1] if plain else [0.5, 0.1, 0.0])
+            view.update(EngineSnapshot(
+                at=now - age, active=rng.randint(0, 4),
+                pending=rng.randint(0, 2), max_active=8, kv_used=rng.randint(0, 100), kv_max=100,
+                iteration=None if kind == "no-engine" else 1.0,
+                routed=rng.choice([None, rng.randint(0, 4)]) if not shared else rng.randint(0, 4)))
+        backends.append(Backend(iid, "127.0.0.1", 1, 2, 3, engine=view))
+        if view.latest is not None and rng.random() < (0.98 if plain else 0.6):
+            history.prime(iid, view.latest, now)
+        if rng.random() < 0.8:
+            inflight[iid] = rng.randint(0, 3)
+    history.noting = rng.random() < 0.5
+    if shared:
+        stamps = SharedStamps.create(tmp_path / f"turns-{seed}")
+        for b in backends:
+            stamps.put(b.instance_id, float(rng.choice([0, 1, 1, 2])))
+        turns = SharedTurns(stamps)
+        history.shared = stamps
+    else:
+        turns = Turns()
+        for b in rng.sample(backends, len(backends)):
+            turns.chosen(b.instance_id, now)
+    return backends, inflight, now, history, turns
+
+
+def _outcome(chosen, history, turns):
+    """What a choice leaves: the instance, the history's terms and notes, and the turns file."""
+    stamps = getattr(turns, "stamps", None)
+    return (chosen.instance_id, history.noting, sorted((k, t[1:]) for k, t in history._terms.items()),
+            sorted((k, s.times, s.counts) for k, s in history._series.items()),
+            bytes(stamps.buffer) if stamps is not None else None)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-policy", "workers"])
+def test_the_no_cache_choice_compiled_and_in_python_is_the_least_requests_of_counted(shared, tmp_path, monkeypatch):
+    """`_least_requests` (the default's choice where no cache is at stake), compiled and in Python,
+    against what it stands for: `_least` over `_counted`'s requests. On random states, each run
+    on its own copy: the same instance, and the same terms, notes and turns file left behind."""
+    from orchestrator.routing import llm_policies
+
+    compiled = llm_policies.NATIVE
+    assert compiled is not None, "orchestrator/routing/_least_requests.c is not built (scripts/bootstrap builds it)"
+    decided = []  # what the compiled pass answered: an index, a list of ties, or None (the Python's)
+    counting = type("Counting", (), {
+        "least": staticmethod(lambda *a: decided.append(compiled.least(*a)) or decided[-1])})
+    for way in ("counted", "python", "compiled"):
+        (tmp_path / way).mkdir()
+    for seed in range(400):
+        outcomes = []
+        for way in ("counted", "python", "compiled"):
+            backends, inflight, now, history, turns = _random_state(seed, tmp_path / way, shared)
+            if way == "counted":
+                chosen = llm_policies._least(backends, llm_policies._counted(backends, inflight, now, history,
+                                                                               note=True)[0], turns)
+            else:
+                monkeypatch.setattr(llm_policies, "NATIVE", counting if way == "compiled" else None)
+                chosen = llm_policies._least_requests(backends, inflight, now, history, turns)
+            outcomes.append(_outcome(chosen, history, turns))
+        assert outcomes[0] == outcomes[1] == outcomes[2], f"seed {seed}"
+    # the compiled pass decided a good share itself, ties included, and left the rest to the Python
+    assert sum(type(d) is int for d in decided) > 100 and None in decided, [decided.count(None), len(decided)]
+    if not shared:
+        assert any(type(d) is list for d in decided)

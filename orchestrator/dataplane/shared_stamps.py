@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from orchestrator.dataplane import shared_cells
-from orchestrator.dataplane.shared_table import MAX_INSTANCES, create_sized, instance_index, open_sized
+from orchestrator.dataplane.shared_table import MAX_INSTANCES, TableError, create_sized, instance_index, open_sized
 
 MAGIC = 0x7472746C6C747331  # "trtllts1"
 LAYOUT_VERSION = 1
@@ -104,6 +104,19 @@ class SharedStamps:
         which is what one worker's own notes say where it makes every choice (a note holds until
         the next choice, and a count rises only by a choice)."""
         return max(now, self.count(instance_id))
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The file's bytes, for a compiled reader of the stamps (routing/_least_requests.c)."""
+        return self._mm
+
+    def cells(self, instance_ids: Sequence[str]) -> list[int] | None:
+        """The float64 cell of each instance's stamp in `buffer`; None where an id has none (not a
+        plan position, or beyond the file: `of` says why)."""
+        try:
+            return [self._col(iid) for iid in instance_ids]
+        except (ValueError, TableError):
+            return None
 
     def of(self, instance_ids: Sequence[str]) -> list[float]:
         """The stamps of these instances (0.0: never chosen), read together (a tie of 16: 3.0 us,
