@@ -536,7 +536,7 @@ def _random_state(seed: int, tmp_path, shared: bool):
         backends.append(Backend(iid, "127.0.0.1", 1, 2, 3, engine=view))
         if view.latest is not None and rng.random() < (0.98 if plain else 0.6):
             history.prime(iid, view.latest, now)
-        if rng.random() < 0.8:
+        if plain or rng.random() < 0.8:  # a worker's counts hold every instance of the ready set
             inflight[iid] = rng.randint(0, 3)
     history.noting = rng.random() < 0.5
     if shared:

@@ -107,8 +107,12 @@ class SharedStamps:
 
     @property
     def buffer(self) -> mmap.mmap:
-        """The file's bytes, for a compiled reader of the stamps (routing/_least_requests.c)."""
+        """The file's bytes, for a compiled reader of the stamps and writer of the counts
+        (routing/_least_requests.c)."""
         return self._mm
+
+    # where an instance's count lies past its stamp, in float64 cells (a compiled writer's offset)
+    counts_at = MAX_INSTANCES
 
     def cells(self, instance_ids: Sequence[str]) -> list[int] | None:
         """The float64 cell of each instance's stamp in `buffer`; None where an id has none (not a

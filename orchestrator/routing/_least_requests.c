@@ -2,33 +2,21 @@
 
    Most of the default's choices (no prompt, or one no candidate holds) pick the candidate with
    the fewest requests, ours + foreign by each candidate's fresh engine snapshot, a tie taken in
-   turn (the oldest stamp in the workers' turns file). In Python, a worker's whole request on the
-   compiled front's path (in process, the 2-core box, fresh snapshots) took 37.0 / 46.9 / 58.3 us
-   at 2 / 8 / 16 instances with that pass and the tie's stamps read apart; with this, 32.9 / 40.2 /
-   50.4 (least-outstanding: 26.0 / 30.7 / 36.3). Of what is left, this pass is ~4 us at 16: the
-   attribute look-ups on the Python objects it reads. It is the same pass, look-up for look-up,
-   and leaves to the Python every case that is
-   not the plain one (a stale or missing snapshot, terms not worked out for the latest snapshot,
-   a number that is not an int), so the Python keeps every rule and this module none of its own.
-   tests/test_llm_policies.py holds both to the same choices on random states. */
+   turn (the oldest stamp in the workers' turns file), every count read noted there. A worker's
+   whole request on the compiled front's path (in process, the 2-core box, fresh snapshots) took
+   37.0 / 46.9 / 58.3 us at 2 / 8 / 16 instances with that pass in Python, the tie's stamps read
+   and the counts written apart; 32.9 / 40.2 / 50.4 with the pass here on the Backend objects (6
+   attribute look-ups a candidate); 31.6 / 38.4 / 47.0 as it is now, on the candidates' ids and
+   views as lists (kept per ready set, llm_policies.ReadyLists), the tie and the counts here too
+   (least-outstanding: 26.0 / 30.7 / 36.3). It is the same pass, and leaves to the Python every
+   case that is not the plain one (a candidate without a view, a stale snapshot, terms not worked
+   out of the latest snapshot, a number that is not an int, counts of instances that are not
+   candidates to note), so the Python keeps every rule and this module none of its own.
+   tests/test_llm_policies.py holds both to the same choices and the same file on random states. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static PyObject *s_engine, *s_latest, *s_iteration, *s_at, *s_stale_after_s, *s_instance_id;
-
-/* A float attribute of `obj` (an int accepted) into *out; 0 where it is neither (or missing). */
-static int float_attr(PyObject *obj, PyObject *name, double *out) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) return -1;
-    int ok = 1;
-    if (PyFloat_CheckExact(v)) *out = PyFloat_AS_DOUBLE(v);
-    else if (PyLong_CheckExact(v)) {
-        *out = PyLong_AsDouble(v);
-        if (*out == -1.0 && PyErr_Occurred()) ok = -1;
-    } else ok = 0;
-    Py_DECREF(v);
-    return ok;
-}
+static PyObject *s_latest, *s_stale_after_s;
 
 /* An exact int into *out; 0 where `v` is not one, or does not fit. */
 static int int_value(PyObject *v, long long *out) {
@@ -40,91 +28,110 @@ static int int_value(PyObject *v, long long *out) {
     return 1;
 }
 
+/* A float or an int into *out; 0 where `v` is neither. */
+static int float_value(PyObject *v, double *out) {
+    if (PyFloat_CheckExact(v)) {
+        *out = PyFloat_AS_DOUBLE(v);
+        return 1;
+    }
+    if (!PyLong_CheckExact(v)) return 0;
+    *out = PyLong_AsDouble(v);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 1;
+}
+
+/* Candidate i's requests (ours + foreign) into *requests, its count into *ours: 1; 0 where the
+   Python must decide; -1 on an error. */
+static int count(PyObject *iid, PyObject *view, PyObject *inflight, PyObject *terms, double now,
+                 long long *requests, long long *ours, int *found) {
+    if (view == Py_None) return 0;
+    PyObject *t = PyDict_GetItemWithError(terms, iid);  /* borrowed */
+    if (t == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) < 5) return 0;
+    /* the terms are of the view's latest snapshot: one with TRT-LLM numbers (terms are worked out
+       of no other), its time kept beside them */
+    PyObject *snap = PyObject_GetAttr(view, s_latest);
+    if (snap == NULL) return -1;
+    Py_DECREF(snap);  /* compared by identity only; the view keeps it */
+    if (PyTuple_GET_ITEM(t, 0) != snap) return 0;
+    double at, stale_after;
+    int ok = float_value(PyTuple_GET_ITEM(t, 4), &at);
+    if (ok != 1) return ok;
+    PyObject *stale = PyObject_GetAttr(view, s_stale_after_s);
+    if (stale == NULL) return -1;
+    ok = float_value(stale, &stale_after);
+    Py_DECREF(stale);
+    if (ok != 1) return ok;
+    if (now - at > stale_after) return 0;
+    *ours = 0;
+    PyObject *n = PyDict_GetItemWithError(inflight, iid);  /* borrowed */
+    if (n == NULL && PyErr_Occurred()) return -1;
+    *found = n != NULL;
+    if (n != NULL && (ok = int_value(n, ours)) != 1) return ok;
+    long long then, engine;
+    PyObject *then_obj = PyTuple_GET_ITEM(t, 1);
+    if (then_obj == Py_None) then = *ours;
+    else if ((ok = int_value(then_obj, &then)) != 1) return ok;
+    if ((ok = int_value(PyTuple_GET_ITEM(t, 2), &engine)) != 1) return ok;
+    long long foreign = engine - then;
+    *requests = foreign > 0 ? *ours + foreign : *ours;
+    return 1;
+}
+
 PyDoc_STRVAR(least_doc,
-"least(candidates, inflight, now, terms) -> int | list | None\n\n"
-"Of `candidates` (a list or tuple of Backends), by requests = ours + foreign (llm_policies._counted):\n"
-"the index of the only one with the fewest, or the list of those tied for it in their order.\n"
-"None where the Python must decide: a candidate without an engine view, a fresh snapshot\n"
-"(`latest`, its `iteration` set, `now - at <= stale_after_s`) or the terms of it in `terms`\n"
-"(instance_id -> (snapshot, our count then or None, its requests, its KV term)), or a count\n"
-"that is not an int. `inflight` must be a dict (instance_id -> our count; missing: 0).\n\n"
-"With `stamps` (the turns file, shared_stamps.py) and `cells` (each candidate's float64 cell there),\n"
-"a tie is broken there as SharedTurns.oldest breaks it: the first of the tied with the lowest\n"
-"stamp; its index is returned. IndexError where a cell lies beyond the buffer.");
+"least(ids, views, inflight, now, terms, stamps=None, cells=None, counts_at=-1) -> int | list | None\n\n"
+"Of the candidates (their instance ids and engine views, two lists in their order), by requests =\n"
+"ours + foreign (llm_policies._counted): the index of the only one with the fewest, or the list of\n"
+"the indexes tied for it. None where the Python must decide: a candidate without a view, or whose\n"
+"view's latest snapshot is not the one its `terms` were worked out of (instance_id -> (snapshot,\n"
+"our count then or None, its requests, its KV term, its time)), or is stale (now - time >\n"
+"stale_after_s), or a count that is not an int. `inflight`: a dict, instance_id -> our count\n"
+"(missing: 0).\n\n"
+"With `stamps` (the turns file's bytes, shared_stamps.py) and `cells` (each candidate's float64\n"
+"cell there), a tie is broken as SharedTurns.oldest breaks it: the first of the tied with the\n"
+"lowest stamp; its index is returned. With `counts_at` >= 0 too, each candidate's count is also\n"
+"written at its cell + counts_at (SharedStamps.note_counts of `inflight`), and only where\n"
+"`inflight` holds exactly the candidates; None (nothing written) where it does not.\n"
+"IndexError where a cell lies beyond the buffer.");
 
 static PyObject *least(PyObject *self, PyObject *args) {
-    PyObject *candidates, *inflight, *terms, *cells = Py_None;
+    PyObject *ids, *views, *inflight, *terms, *stamps_obj = Py_None, *cells = Py_None;
     double now;
+    Py_ssize_t counts_at = -1;
     Py_buffer stamps = {0};
-    if (!PyArg_ParseTuple(args, "OO!dO!|y*O", &candidates, &PyDict_Type, &inflight, &now, &PyDict_Type, &terms,
-                          &stamps, &cells))
+    if (!PyArg_ParseTuple(args, "O!O!O!dO!|OOn", &PyList_Type, &ids, &PyList_Type, &views, &PyDict_Type,
+                          &inflight, &now, &PyDict_Type, &terms, &stamps_obj, &cells, &counts_at))
         return NULL;
-    PyObject *seq = PySequence_Fast(candidates, "candidates: must be a list or a tuple");
-    if (seq == NULL) {
-        if (stamps.obj != NULL) PyBuffer_Release(&stamps);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (cells != Py_None && (stamps.obj == NULL || !PyList_CheckExact(cells) || PyList_GET_SIZE(cells) != n)) {
-        PyErr_SetString(PyExc_ValueError, "cells: must be a list of a cell per candidate, with `stamps`");
-        if (stamps.obj != NULL) PyBuffer_Release(&stamps);
-        Py_DECREF(seq);
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t *tied = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
+    /* the counts are written there: a writable buffer (the mapped file) */
+    if (stamps_obj != Py_None && PyObject_GetBuffer(stamps_obj, &stamps, PyBUF_WRITABLE) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
     PyObject *out = NULL;
-    if (tied == NULL) {
+    Py_ssize_t *tied = NULL, *at = NULL;  /* the tied candidates; each candidate's cell */
+    long long *counts = NULL;
+    if (PyList_GET_SIZE(views) != n
+        || (cells != Py_None && (stamps.obj == NULL || !PyList_CheckExact(cells) || PyList_GET_SIZE(cells) != n))) {
+        PyErr_SetString(PyExc_ValueError, "views, cells: a list of one per candidate (cells with `stamps`)");
+        goto done;
+    }
+    int noting = counts_at >= 0 && cells != Py_None;
+    tied = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
+    counts = PyMem_Malloc((n ? n : 1) * sizeof(long long));
+    if (tied == NULL || counts == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t ntied = 0;
+    Py_ssize_t ntied = 0, nfound = 0;
     long long low = 0;
-    int fallback = 0;
-    for (Py_ssize_t i = 0; i < n && !fallback; i++) {
-        PyObject *b = items[i], *view = NULL, *snap = NULL, *iteration = NULL, *iid = NULL;
-        int step = -1;  /* -1: an error; 0: the Python decides; 1: counted */
+    for (Py_ssize_t i = 0; i < n; i++) {
         long long requests = 0;
-        view = PyObject_GetAttr(b, s_engine);
-        if (view == NULL) goto next;
-        if (view == Py_None) { step = 0; goto next; }
-        snap = PyObject_GetAttr(view, s_latest);
-        if (snap == NULL) goto next;
-        if (snap == Py_None) { step = 0; goto next; }
-        iteration = PyObject_GetAttr(snap, s_iteration);
-        if (iteration == NULL) goto next;
-        if (iteration == Py_None) { step = 0; goto next; }
-        double at, stale_after;
-        int ok = float_attr(snap, s_at, &at);
-        if (ok == 1) ok = float_attr(view, s_stale_after_s, &stale_after);
-        if (ok != 1) { step = ok; goto next; }
-        if (now - at > stale_after) { step = 0; goto next; }
-        iid = PyObject_GetAttr(b, s_instance_id);
-        if (iid == NULL) goto next;
-        long long ours = 0, then, engine;
-        PyObject *count = PyDict_GetItemWithError(inflight, iid);  /* borrowed */
-        if (count == NULL && PyErr_Occurred()) goto next;
-        if (count != NULL && (ok = int_value(count, &ours)) != 1) { step = ok; goto next; }
-        PyObject *t = PyDict_GetItemWithError(terms, iid);  /* borrowed */
-        if (t == NULL) { step = PyErr_Occurred() ? -1 : 0; goto next; }
-        if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) < 3 || PyTuple_GET_ITEM(t, 0) != snap) {
-            step = 0;
-            goto next;
-        }
-        PyObject *then_obj = PyTuple_GET_ITEM(t, 1);
-        if (then_obj == Py_None) then = ours;
-        else if ((ok = int_value(then_obj, &then)) != 1) { step = ok; goto next; }
-        if ((ok = int_value(PyTuple_GET_ITEM(t, 2), &engine)) != 1) { step = ok; goto next; }
-        long long foreign = engine - then;
-        requests = foreign > 0 ? ours + foreign : ours;
-        step = 1;
-    next:
-        Py_XDECREF(view);
-        Py_XDECREF(snap);
-        Py_XDECREF(iteration);
-        Py_XDECREF(iid);
+        int found = 0;
+        int step = count(PyList_GET_ITEM(ids, i), PyList_GET_ITEM(views, i), inflight, terms, now, &requests,
+                         &counts[i], &found);
         if (step < 0) goto done;
-        if (step == 0) { fallback = 1; break; }
+        if (step == 0) {
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+        nfound += found;
         if (ntied == 0 || requests < low) {
             low = requests;
             tied[0] = i;
@@ -133,38 +140,55 @@ static PyObject *least(PyObject *self, PyObject *args) {
             tied[ntied++] = i;
         }
     }
-    if (fallback || ntied == 0) {
-        out = Py_NewRef(Py_None);
-    } else if (ntied == 1) {
-        out = PyLong_FromSsize_t(tied[0]);
-    } else if (cells != Py_None) {
-        /* SharedTurns.oldest: the stamps read together, the first of the lowest taken */
-        const double *cell = (const double *)stamps.buf;
-        Py_ssize_t ncells = stamps.len / (Py_ssize_t)sizeof(double), pick = -1;
-        double oldest = 0.0;
-        for (Py_ssize_t k = 0; k < ntied; k++) {
-            Py_ssize_t c = PyLong_AsSsize_t(PyList_GET_ITEM(cells, tied[k]));
-            if (c == -1 && PyErr_Occurred()) goto done;
-            if (c < 0 || c >= ncells) {
-                PyErr_SetString(PyExc_IndexError, "a cell beyond the stamps");
-                goto done;
-            }
-            double v = cell[c];
-            if (pick < 0 || v < oldest) {
-                oldest = v;
-                pick = tied[k];
+    if (ntied == 0 || (noting && (nfound != n || PyDict_GET_SIZE(inflight) != n))) {
+        out = Py_NewRef(Py_None);  /* no candidate, or counts of other instances to note: the Python's */
+        goto done;
+    }
+    if (cells == Py_None) {
+        if (ntied == 1) {
+            out = PyLong_FromSsize_t(tied[0]);
+        } else {
+            out = PyList_New(ntied);
+            for (Py_ssize_t k = 0; out != NULL && k < ntied; k++) {
+                PyObject *index = PyLong_FromSsize_t(tied[k]);
+                if (index == NULL) Py_CLEAR(out);
+                else PyList_SET_ITEM(out, k, index);
             }
         }
-        out = PyLong_FromSsize_t(pick);
-    } else {
-        out = PyList_New(ntied);
-        if (out != NULL)
-            for (Py_ssize_t k = 0; k < ntied; k++) PyList_SET_ITEM(out, k, Py_NewRef(items[tied[k]]));
+        goto done;
     }
+    /* the cells first (every one checked before anything is written), then the tie, then the counts */
+    double *cell = (double *)stamps.buf;
+    Py_ssize_t ncells = stamps.len / (Py_ssize_t)sizeof(double), pick = -1;
+    at = PyMem_Malloc(n * sizeof(Py_ssize_t));
+    if (at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t c = at[i] = PyLong_AsSsize_t(PyList_GET_ITEM(cells, i));
+        if (c == -1 && PyErr_Occurred()) goto done;
+        if (c < 0 || c >= ncells || (noting && (counts_at >= ncells || c >= ncells - counts_at))) {
+            PyErr_SetString(PyExc_IndexError, "a cell beyond the stamps");
+            goto done;
+        }
+    }
+    double oldest = 0.0;
+    for (Py_ssize_t k = 0; k < ntied; k++) {
+        double v = cell[at[tied[k]]];
+        if (pick < 0 || v < oldest) {
+            oldest = v;
+            pick = tied[k];
+        }
+    }
+    if (noting)
+        for (Py_ssize_t i = 0; i < n; i++) cell[at[i] + counts_at] = (double)counts[i];
+    out = PyLong_FromSsize_t(pick);
 done:
     if (stamps.obj != NULL) PyBuffer_Release(&stamps);
     PyMem_Free(tied);
-    Py_DECREF(seq);
+    PyMem_Free(at);
+    PyMem_Free(counts);
     return out;
 }
 
@@ -179,10 +203,8 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__least_requests(void) {
-    if (!(s_engine = PyUnicode_InternFromString("engine")) || !(s_latest = PyUnicode_InternFromString("latest"))
-        || !(s_iteration = PyUnicode_InternFromString("iteration")) || !(s_at = PyUnicode_InternFromString("at"))
-        || !(s_stale_after_s = PyUnicode_InternFromString("stale_after_s"))
-        || !(s_instance_id = PyUnicode_InternFromString("instance_id")))
+    if (!(s_latest = PyUnicode_InternFromString("latest"))
+        || !(s_stale_after_s = PyUnicode_InternFromString("stale_after_s")))
         return NULL;
     return PyModule_Create(&module);
 }

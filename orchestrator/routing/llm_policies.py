@@ -174,8 +174,9 @@ class InflightHistory:
         # With several data-plane workers, every note is also written where the daemon reads it
         # as it publishes a snapshot (dataplane/shared_stamps.py's counts; SharedTurns sets it).
         self.shared: Any = None
-        # instance_id -> (snapshot, our count at its time, its active + pending, its KV term): `_counted`'s
-        self._terms: dict[str, tuple[EngineSnapshot, int | None, int, float]] = {}
+        # instance_id -> (snapshot, our count at its time, its active + pending, its KV term, its time):
+        # `_counted`'s (the time for the compiled pass, _least_requests.c, which reads no snapshot)
+        self._terms: dict[str, tuple[EngineSnapshot, int | None, int, float, float]] = {}
         # Whether choices note counts in `_series`: only while snapshots come without the daemon's
         # count (EngineSnapshot.routed), which the notes stand in for. A data-plane worker's
         # snapshots carry it, and noting 16 candidates' counts was 1.5-2 us of a 15-20 us decision.
@@ -267,7 +268,7 @@ class _Series:
 
 
 def _snapshot_terms(history: InflightHistory, instance_id: str, snap: EngineSnapshot, now: float
-                    ) -> tuple[EngineSnapshot, int | None, int, float]:
+                    ) -> tuple[EngineSnapshot, int | None, int, float, float]:
     """What `_counted` needs of a snapshot alone: (it, our count when it was taken by the history's
     notes, the requests its engine holds, its KV term); kept in the history's terms only once the
     clock is past the snapshot's time (notes are made at `now`: none can join those at or before
@@ -281,7 +282,7 @@ def _snapshot_terms(history: InflightHistory, instance_id: str, snap: EngineSnap
     # choice's; else this policy's own notes, the same where it makes every choice.
     then = snap.routed if snap.routed is not None else None if notes is None else notes.at(snap.at)
     t = (snap, then, snap.active + snap.pending,
-         KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0)
+         KV_WEIGHT * (snap.max_active or 1) * snap.kv_used / kv_max if kv_max else 0.0, snap.at)
     if snap.at < now:
         history._terms[instance_id] = t
     return t
@@ -382,28 +383,56 @@ def _worth_a_slot(within: list[Backend], candidates: Sequence[Backend], requests
     return [b for b in within if b not in full]
 
 
+class ReadyLists:
+    """The candidates' instance ids, engine views and (with the workers' turns) stamp cells as lists,
+    worked out once per ready set (a policy's `_least_requests` reads them at every choice)."""
+
+    __slots__ = ("_of", "_lists")
+
+    def __init__(self) -> None:
+        self._of: Sequence[Backend] | None = None
+        self._lists: tuple[list[str], list[EngineView | None], list[int] | None] = ([], [], None)
+
+    def of(self, candidates: Sequence[Backend], turns: "Turns | SharedTurns"
+           ) -> tuple[list[str], list[EngineView | None], list[int] | None]:
+        if candidates is not self._of:
+            ids = [b.instance_id for b in candidates]
+            cells = turns.stamps.cells(ids) if isinstance(turns, SharedTurns) else None
+            self._lists = (ids, [b.engine for b in candidates], cells)
+            self._of = candidates
+        return self._lists
+
+
 def _least_requests(candidates: Sequence[Backend], inflight: Mapping[str, int], now: float,
-                    history: InflightHistory, turns: "Turns | SharedTurns") -> Backend:
+                    history: InflightHistory, turns: "Turns | SharedTurns", ready: "ReadyLists | None" = None
+                    ) -> Backend:
     """`_least(candidates, _counted(candidates, inflight, now, history, note=True)[0], turns)` in one
     pass, without the two dicts: the choice where no cache is at stake (no prompt, or one no
     candidate holds), most of the default's choices. The counts are read, noted and compared as
     `_counted` and `_least` do (tests/test_llm_policies.py holds them to the same choices). A
     worker's request on the compiled front's path, in process at 2 / 8 / 16 instances: 39.7 / 51.3
-    / 66.2 us through those two, 37.0 / 46.9 / 58.3 in this pass. Compiled where built (`NATIVE`,
-    with a tie broken on the workers' stamps there): 32.9 / 40.2 / 50.4, for the plain case; every
-    other (a stale snapshot, terms not worked out yet) goes on here."""
-    if history.shared is not None:
-        history.shared.note_counts(inflight)  # as `_counted` with `note`
+    / 66.2 us through those two, 37.0 / 46.9 / 58.3 in this pass. Compiled where built (`NATIVE`:
+    the same pass on the candidates' lists, `ready`, a tie broken and the counts noted on the
+    workers' turns file there): 31.6 / 38.4 / 47.0, for the plain case; every other (a stale
+    snapshot, terms not worked out yet) goes on here."""
     compiled = NATIVE
     if compiled is not None and type(inflight) is dict:
-        # the workers' turns: a tie is broken there too, on the stamps' cells (SharedTurns.oldest)
-        cells = turns.cells_of(candidates) if isinstance(turns, SharedTurns) else None
-        found = compiled.least(candidates, inflight, now, history._terms) if cells is None \
-            else compiled.least(candidates, inflight, now, history._terms, turns.stamps.buffer, cells)
+        ids, views, cells = (ready if ready is not None else ReadyLists()).of(candidates, turns)
+        shared = history.shared
+        if cells is None:
+            found = compiled.least(ids, views, inflight, now, history._terms)
+        else:  # the workers' turns: the counts noted there too, where `shared` is that file
+            stamps = turns.stamps  # type: ignore[union-attr]
+            found = compiled.least(ids, views, inflight, now, history._terms, stamps.buffer, cells,
+                                   stamps.counts_at if shared is stamps else -1)
         if found is not None:  # no terms were worked out: `noting` is as it was
+            if shared is not None and (cells is None or shared is not turns.stamps):  # type: ignore[union-attr]
+                shared.note_counts(inflight)
             if history.noting:
                 history.note_counts(candidates, inflight, now)
-            return candidates[found] if type(found) is int else turns.oldest(found)
+            return candidates[found] if type(found) is int else turns.oldest([candidates[i] for i in found])
+    if history.shared is not None:
+        history.shared.note_counts(inflight)  # as `_counted` with `note`
     terms = history._terms
     low = math.inf
     best: Backend | None = None
@@ -495,21 +524,11 @@ class SharedTurns:
     cell per instance, last writer wins); two workers that choose at once may take the same
     one, as a run of ties taken at random would."""
 
-    __slots__ = ("stamps", "_last", "_cells_of", "_cells")
+    __slots__ = ("stamps", "_last")
 
     def __init__(self, stamps: Any) -> None:
         self.stamps = stamps  # dataplane.shared_stamps.SharedStamps
         self._last = 0.0
-        self._cells_of: Sequence[Backend] | None = None  # the candidates `_cells` are of (the ready set)
-        self._cells: list[int] | None = None
-
-    def cells_of(self, candidates: Sequence[Backend]) -> list[int] | None:
-        """Each candidate's stamp cell in the turns file (SharedStamps.cells), worked out once per
-        ready set; None where an id has none (`oldest` then says why)."""
-        if candidates is not self._cells_of:
-            self._cells = self.stamps.cells([b.instance_id for b in candidates])
-            self._cells_of = candidates
-        return self._cells
 
     def chosen(self, instance_id: str, now: float) -> None:
         # strictly increasing per worker, so choices at one instant of a virtual clock stay in order
@@ -534,6 +553,7 @@ class _LoadAware:
         self._clock = clock
         self._turns: Turns | SharedTurns = turns if turns is not None else Turns()
         self.history = InflightHistory()
+        self._ready = ReadyLists()  # the candidates as lists, for the compiled no-cache choice
         if turns is not None:  # a data-plane worker's: its notes go where every worker's do
             self.history.shared = turns.stamps
             # and its snapshots come with the daemon's count (WorkerPool._routed): none to note for
@@ -625,8 +645,8 @@ class PrefixAffinity(_LoadAware):
         else:
             self.last_reason = "no-prompt"
         if chosen is None:  # no cache at stake: how full each engine is, nothing more
-            chosen = _least_requests(candidates, inflight, now, self.history, self._turns) if requests_at is None \
-                else _least(candidates, requests_at, self._turns)
+            chosen = _least(candidates, requests_at, self._turns) if requests_at is not None \
+                else _least_requests(candidates, inflight, now, self.history, self._turns, self._ready)
         if keys:
             self.index.record(keys, chosen.instance_id)
         return self._chosen(now, inflight, chosen)
