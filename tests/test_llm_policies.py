@@ -389,13 +389,16 @@ def test_prompt_of_json_generate_and_infer():
 @pytest.mark.parametrize("body", [
     b'{"text_input": "caf\xc3\xa9 \\u00e9"}', b'{"text_input": "hi"} trailing', b'{"text_input": "\xff"}',
     '{"text_input": "hi"}'.encode("utf-16-le"), '{"text_input": "hi"}'.encode("utf-32-le"),
-    b'{"text_input": "\\ud800 alone"}', b'\n{"text_input": ["a", "b"], "text_input": "last"}'],
-    ids=["utf8-escapes", "trailing", "bad-utf8", "utf16", "utf32", "lone-surrogate", "repeated-key"])
+    b'{"text_input": "\\ud800 alone"}', b'\n{"text_input": ["a", "b"], "text_input": "last"}',
+    b'{"text_input": "x", "temperature": NaN}', b'{"text_input": "x", "seed": 123456789012345678901234567890}',
+    b'{"text_input": "x", "deep": ' + b"[" * 2000 + b"]" * 2000 + b"}"],
+    ids=["utf8-escapes", "trailing", "bad-utf8", "utf16", "utf32", "lone-surrogate", "repeated-key", "nan",
+         "big-int", "too-deep"])
 def test_prompt_of_json_reads_what_json_loads_reads(body):
     try:
         doc = json.loads(body)
         expected = doc.get("text_input") if isinstance(doc, dict) else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # too deep for json: no prompt, no error
         expected = None
     assert prompt_of_json(body) == expected
 
@@ -590,3 +593,33 @@ def test_the_no_cache_choice_compiled_and_in_python_is_the_least_requests_of_cou
     assert sum(type(d) is int for d in decided) > 100 and None in decided, [decided.count(None), len(decided)]
     if not shared:
         assert any(type(d) is list for d in decided)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-policy", "workers"])
+def test_the_counts_compiled_and_in_python_are_the_same(shared, tmp_path, monkeypatch):
+    """`_counted` (every holder's weighing reads it) with a policy's lists, compiled and in Python,
+    against itself without them: the same two dicts, in the same order, and the same terms, notes and
+    turns file left behind, on random states."""
+    from orchestrator.routing import llm_policies
+
+    compiled = llm_policies.NATIVE
+    assert compiled is not None, "orchestrator/routing/_least_requests.c is not built (scripts/bootstrap builds it)"
+    answered = []
+    counting = type("Counting", (), {
+        "counted": staticmethod(lambda *a: answered.append(compiled.counted(*a)) or answered[-1])})
+    for way in ("plain", "python", "compiled"):
+        (tmp_path / way).mkdir()
+    for seed in range(400):
+        outcomes = []
+        for way in ("plain", "python", "compiled"):
+            backends, inflight, now, history, turns = _random_state(seed, tmp_path / way, shared)
+            monkeypatch.setattr(llm_policies, "NATIVE", counting if way == "compiled" else None)
+            ready = llm_policies.ReadyLists(turns) if way != "plain" else None
+            both = llm_policies._counted(backends, inflight, now, history, note=True, ready=ready)
+            stamps = getattr(turns, "stamps", None)
+            outcomes.append(([list(d.items()) for d in both], history.noting,
+                             sorted((k, t[1:]) for k, t in history._terms.items()),
+                             sorted((k, s.times, s.counts) for k, s in history._series.items()),
+                             bytes(stamps.buffer) if stamps is not None else None))
+        assert outcomes[0] == outcomes[1] == outcomes[2], f"seed {seed}"
+    assert sum(d is not None for d in answered) > 100 and None in answered

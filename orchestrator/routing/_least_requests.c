@@ -12,6 +12,9 @@
    case that is not the plain one (a candidate without a view, a stale snapshot, terms not worked
    out of the latest snapshot, a number that is not an int, counts of instances that are not
    candidates to note), so the Python keeps every rule and this module none of its own.
+   `counted` is the pass of llm_policies._counted alike (the two dicts every holder's weighing reads:
+   a worker's request with a 2048-character tenant prompt, in process, 84.9 / 91.6 / 100.4 ->
+   83.1 / 88.4 / 93.3 us at 2 / 8 / 16 instances).
    tests/test_llm_policies.py holds both to the same choices and the same file on random states. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -42,7 +45,7 @@ static int float_value(PyObject *v, double *out) {
 /* Candidate i's requests (ours + foreign) into *requests, its count into *ours: 1; 0 where the
    Python must decide; -1 on an error. */
 static int count(PyObject *iid, PyObject *view, PyObject *inflight, PyObject *terms, double now,
-                 long long *requests, long long *ours, int *found) {
+                 long long *requests, long long *ours, int *found, double *kv) {
     if (view == Py_None) return 0;
     PyObject *t = PyDict_GetItemWithError(terms, iid);  /* borrowed */
     if (t == NULL) return PyErr_Occurred() ? -1 : 0;
@@ -74,7 +77,7 @@ static int count(PyObject *iid, PyObject *view, PyObject *inflight, PyObject *te
     if ((ok = int_value(PyTuple_GET_ITEM(t, 2), &engine)) != 1) return ok;
     long long foreign = engine - then;
     *requests = foreign > 0 ? *ours + foreign : *ours;
-    return 1;
+    return kv == NULL ? 1 : float_value(PyTuple_GET_ITEM(t, 3), kv);
 }
 
 PyDoc_STRVAR(least_doc,
@@ -125,7 +128,7 @@ static PyObject *least(PyObject *self, PyObject *args) {
         long long requests = 0;
         int found = 0;
         int step = count(PyList_GET_ITEM(ids, i), PyList_GET_ITEM(views, i), inflight, terms, now, &requests,
-                         &counts[i], &found);
+                         &counts[i], &found, NULL);
         if (step < 0) goto done;
         if (step == 0) {
             out = Py_NewRef(Py_None);
@@ -192,8 +195,53 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(counted_doc,
+"counted(ids, views, inflight, now, terms) -> (dict, dict) | None\n\n"
+"llm_policies._counted's two dicts of the candidates (as `least` takes them): instance_id ->\n"
+"requests (ours + foreign, a float), and the same with the KV term of its terms added. None where\n"
+"the Python must work them out (as `least`).");
+
+static PyObject *counted(PyObject *self, PyObject *args) {
+    PyObject *ids, *views, *inflight, *terms;
+    double now;
+    if (!PyArg_ParseTuple(args, "O!O!O!dO!", &PyList_Type, &ids, &PyList_Type, &views, &PyDict_Type, &inflight,
+                          &now, &PyDict_Type, &terms))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    if (PyList_GET_SIZE(views) != n) {
+        PyErr_SetString(PyExc_ValueError, "views: a list of one per candidate");
+        return NULL;
+    }
+    PyObject *requests = PyDict_New(), *weighted = PyDict_New(), *out = NULL;
+    if (requests == NULL || weighted == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long r = 0, ours = 0;
+        int found = 0;
+        double kv = 0.0;
+        PyObject *iid = PyList_GET_ITEM(ids, i);
+        int step = count(iid, PyList_GET_ITEM(views, i), inflight, terms, now, &r, &ours, &found, &kv);
+        if (step < 0) goto done;
+        if (step == 0) {
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+        PyObject *x = PyFloat_FromDouble((double)r), *y = PyFloat_FromDouble((double)r + kv);
+        int bad = x == NULL || y == NULL || PyDict_SetItem(requests, iid, x) < 0
+                  || PyDict_SetItem(weighted, iid, y) < 0;
+        Py_XDECREF(x);
+        Py_XDECREF(y);
+        if (bad) goto done;
+    }
+    out = PyTuple_Pack(2, requests, weighted);
+done:
+    Py_XDECREF(requests);
+    Py_XDECREF(weighted);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"least", least, METH_VARARGS, least_doc},
+    {"counted", counted, METH_VARARGS, counted_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -289,17 +289,28 @@ def _snapshot_terms(history: InflightHistory, instance_id: str, snap: EngineSnap
 
 
 def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: float,
-             history: InflightHistory | None, note: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+             history: InflightHistory | None, note: bool = False, ready: "ReadyLists | None" = None
+             ) -> tuple[dict[str, float], dict[str, float]]:
     """(instance_id -> requests: ours + foreign, instance_id -> the same with KV pressure added);
     ours alone for every candidate when any candidate's snapshot is stale. One pass over the
     candidates: every choice runs it. With `note`, and while the history keeps notes
     (InflightHistory.noting), each count read is also noted at `now` in a second pass
-    (InflightHistory.note_counts): the choice then notes only what it adds (`note_choice`)."""
+    (InflightHistory.note_counts): the choice then notes only what it adds (`note_choice`).
+    With a policy's `ready` lists, compiled where built (`NATIVE.counted`: the same pass, the plain
+    case only, as `_least_requests`)."""
     if history is None:
         history = InflightHistory()  # nothing noted: `foreign` from the snapshots alone
     if note and history.shared is not None:
         # every count read, whatever this worker noted last (another worker may have since)
         history.shared.note_counts(inflight)
+    compiled = NATIVE
+    if compiled is not None and ready is not None and type(inflight) is dict:
+        ids, views, _ = ready.of(backends)
+        both = compiled.counted(ids, views, inflight, now, history._terms)
+        if both is not None:  # no terms were worked out: `noting` is as it was
+            if note and history.noting:
+                history.note_counts(backends, inflight, now)
+            return both
     terms = history._terms
     requests: dict[str, float] = {}
     weighted: dict[str, float] = {}
@@ -387,15 +398,16 @@ class ReadyLists:
     """The candidates' instance ids, engine views and (with the workers' turns) stamp cells as lists,
     worked out once per ready set (a policy's `_least_requests` reads them at every choice)."""
 
-    __slots__ = ("_of", "_lists")
+    __slots__ = ("_turns", "_of", "_lists")
 
-    def __init__(self) -> None:
+    def __init__(self, turns: "Turns | SharedTurns") -> None:
+        self._turns = turns  # the policy's
         self._of: Sequence[Backend] | None = None
         self._lists: tuple[list[str], list[EngineView | None], list[int] | None] = ([], [], None)
 
-    def of(self, candidates: Sequence[Backend], turns: "Turns | SharedTurns"
-           ) -> tuple[list[str], list[EngineView | None], list[int] | None]:
+    def of(self, candidates: Sequence[Backend]) -> tuple[list[str], list[EngineView | None], list[int] | None]:
         if candidates is not self._of:
+            turns = self._turns
             ids = [b.instance_id for b in candidates]
             cells = turns.stamps.cells(ids) if isinstance(turns, SharedTurns) else None
             self._lists = (ids, [b.engine for b in candidates], cells)
@@ -417,7 +429,7 @@ def _least_requests(candidates: Sequence[Backend], inflight: Mapping[str, int], 
     snapshot, terms not worked out yet) goes on here."""
     compiled = NATIVE
     if compiled is not None and type(inflight) is dict:
-        ids, views, cells = (ready if ready is not None else ReadyLists()).of(candidates, turns)
+        ids, views, cells = (ready if ready is not None else ReadyLists(turns)).of(candidates)
         shared = history.shared
         if cells is None:
             found = compiled.least(ids, views, inflight, now, history._terms)
@@ -553,7 +565,7 @@ class _LoadAware:
         self._clock = clock
         self._turns: Turns | SharedTurns = turns if turns is not None else Turns()
         self.history = InflightHistory()
-        self._ready = ReadyLists()  # the candidates as lists, for the compiled no-cache choice
+        self._ready = ReadyLists(self._turns)  # the candidates as lists, for the compiled passes
         if turns is not None:  # a data-plane worker's: its notes go where every worker's do
             self.history.shared = turns.stamps
             # and its snapshots come with the daemon's count (WorkerPool._routed): none to note for
@@ -568,7 +580,7 @@ class _LoadAware:
         if not candidates:
             return None
         now = self._clock()
-        return (candidates, *_counted(candidates, inflight, now, self.history, note=True), now)
+        return (candidates, *_counted(candidates, inflight, now, self.history, note=True, ready=self._ready), now)
 
     def _chosen(self, now: float, inflight: Mapping[str, int], chosen: Backend) -> Backend:
         self.history.note_choice(now, chosen.instance_id, inflight.get(chosen.instance_id, 0) + 1)
@@ -618,7 +630,7 @@ class PrefixAffinity(_LoadAware):
             depth, gone = self._held(keys)
             holders = [b for b in candidates if b.instance_id in depth] if depth else []  # depths are >= 1
             if holders:
-                requests_at, load = _counted(candidates, inflight, now, self.history, note=True)
+                requests_at, load = _counted(candidates, inflight, now, self.history, note=True, ready=self._ready)
                 low = min(load.values())
                 within = [b for b in holders if load[b.instance_id] - low <= self.slack]
                 spill = "prefix-overloaded"  # the starvation guard
