@@ -10,7 +10,7 @@
 #
 # Needs, carried from the CPU machine (ignored by git): .carry/dp, made here by
 #   ../shared/tools/relay-kit .carry/dp/relay        (static nginx, wrk, bench/sse_source.c built)
-#   cp <httptools, uvloop, py-spy, prometheus_client cp312 wheels> .carry/dp/wheels/
+#   cp <httptools, uvloop, py-spy, prometheus_client, orjson cp312 wheels> .carry/dp/wheels/
 # and python3 with aiohttp and psutil (the GPU image's /opt/torch/.venv has both; PYTHON=...).
 set -euo pipefail
 out=${1:?usage: dataplane_device.sh OUTDIR [dataplane_bench args]}
