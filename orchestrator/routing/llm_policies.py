@@ -270,7 +270,7 @@ class _Series:
 def _snapshot_terms(history: InflightHistory, instance_id: str, snap: EngineSnapshot, now: float
                     ) -> tuple[EngineSnapshot, int | None, int, float, float]:
     """What `_counted` needs of a snapshot alone: (it, our count when it was taken by the history's
-    notes, the requests its engine holds, its KV term); kept in the history's terms only once the
+    notes, the requests its engine holds, its KV term, its time); kept in the history's terms only once the
     clock is past the snapshot's time (notes are made at `now`: none can join those at or before
     it after that)."""
     history.heard(snap)
@@ -396,7 +396,9 @@ def _worth_a_slot(within: list[Backend], candidates: Sequence[Backend], requests
 
 class ReadyLists:
     """The candidates' instance ids, engine views and (with the workers' turns) stamp cells as lists,
-    worked out once per ready set (a policy's `_least_requests` reads them at every choice)."""
+    worked out once per ready set: what the compiled passes of a policy's choices read
+    (`_least_requests`, `_counted`). Owned by the policy; kept while the ready set is the same
+    object (ReadyBackends publishes a new tuple at each change)."""
 
     __slots__ = ("_turns", "_of", "_lists")
 
