@@ -408,7 +408,8 @@ class ReadyLists:
         self._lists: tuple[list[str], list[EngineView | None], list[int] | None] = ([], [], None)
 
     def of(self, candidates: Sequence[Backend]) -> tuple[list[str], list[EngineView | None], list[int] | None]:
-        if candidates is not self._of:
+        # (a list grown or cut in place is worked out again: the lists must match it one to one)
+        if candidates is not self._of or len(candidates) != len(self._lists[0]):
             turns = self._turns
             ids = [b.instance_id for b in candidates]
             cells = turns.stamps.cells(ids) if isinstance(turns, SharedTurns) else None
