@@ -47,23 +47,24 @@ static int float_value(PyObject *v, double *out) {
 static int count(PyObject *iid, PyObject *view, PyObject *inflight, PyObject *terms, double now,
                  long long *requests, long long *ours, int *found, double *kv) {
     if (view == Py_None) return 0;
-    PyObject *t = PyDict_GetItemWithError(terms, iid);  /* borrowed */
-    if (t == NULL) return PyErr_Occurred() ? -1 : 0;
-    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) < 5) return 0;
-    /* the terms are of the view's latest snapshot: one with TRT-LLM numbers (terms are worked out
-       of no other), its time kept beside them */
+    /* The view's attributes first: a look-up may run Python (a property), which could change the
+       dicts whose items are borrowed below; after it, nothing runs Python (exact str keys, exact
+       ints and floats). */
     PyObject *snap = PyObject_GetAttr(view, s_latest);
     if (snap == NULL) return -1;
     Py_DECREF(snap);  /* compared by identity only; the view keeps it */
-    if (PyTuple_GET_ITEM(t, 0) != snap) return 0;
     double at, stale_after;
-    int ok = float_value(PyTuple_GET_ITEM(t, 4), &at);
-    if (ok != 1) return ok;
     PyObject *stale = PyObject_GetAttr(view, s_stale_after_s);
     if (stale == NULL) return -1;
-    ok = float_value(stale, &stale_after);
+    int ok = float_value(stale, &stale_after);
     Py_DECREF(stale);
     if (ok != 1) return ok;
+    PyObject *t = PyDict_GetItemWithError(terms, iid);  /* borrowed */
+    if (t == NULL) return PyErr_Occurred() ? -1 : 0;
+    /* the terms are of the view's latest snapshot: one with TRT-LLM numbers (terms are worked out
+       of no other), its time kept beside them */
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) < 5 || PyTuple_GET_ITEM(t, 0) != snap) return 0;
+    if ((ok = float_value(PyTuple_GET_ITEM(t, 4), &at)) != 1) return ok;
     if (now - at > stale_after) return 0;
     *ours = 0;
     PyObject *n = PyDict_GetItemWithError(inflight, iid);  /* borrowed */
