@@ -623,3 +623,56 @@ def test_the_counts_compiled_and_in_python_are_the_same(shared, tmp_path, monkey
                              bytes(stamps.buffer) if stamps is not None else None))
         assert outcomes[0] == outcomes[1] == outcomes[2], f"seed {seed}"
     assert sum(d is not None for d in answered) > 100 and None in answered
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-policy", "workers"])
+def test_the_default_routes_alike_compiled_and_in_python(shared, tmp_path, monkeypatch):
+    """The default policy whole, compiled passes on and off, on one run of 3000 requests: tenant
+    prompts, chat turns and no prompt, engine snapshots every 0.1 s with waiting and full engines,
+    counts that rise with each choice and fall at random. Each policy sees the same views and counts;
+    every choice and its reason must be the same."""
+    from orchestrator.dataplane.shared_stamps import SharedStamps
+    from orchestrator.routing import llm_policies
+    from orchestrator.routing.llm_policies import SharedTurns
+
+    compiled = llm_policies.NATIVE
+    assert compiled is not None, "orchestrator/routing/_least_requests.c is not built (scripts/bootstrap builds it)"
+    rng = random.Random(7)
+    clock = [NOW]
+    backends = tuple(backend(str(i)) for i in range(4))
+    policies = {}
+    for way in ("compiled", "python"):
+        turns = SharedTurns(SharedStamps.create(tmp_path / f"turns-{way}")) if shared else None
+        policies[way] = PrefixAffinity(random.Random(1), clock=lambda: clock[0], turns=turns)
+    prompts = [hints(t, f" question {q}") for t in range(6) for q in range(3)]
+    prompts += [t for k in range(4) for t in _turns(300 + 200 * k, 120)] + [None] * 8
+    inflight: dict[str, int] = {}
+    next_scrape = NOW
+    seen: dict[str, int] = {}  # reason -> choices
+    for step in range(3000):
+        clock[0] += rng.choice([0.0, 0.001, 0.004])
+        if clock[0] >= next_scrape:  # every instance's engine, as the daemon's monitor publishes them
+            next_scrape = clock[0] + 0.1
+            for b in backends:
+                held = inflight.get(b.instance_id, 0)
+                b.engine.update(EngineSnapshot(at=clock[0], active=min(held + rng.randint(0, 2), 8),
+                                               waiting=rng.choice([0, 0, 1]), max_active=8,
+                                               kv_used=rng.randint(0, 100), kv_max=100, iteration=1.0,
+                                               routed=held if shared else None))
+        prompt = rng.choice(prompts)
+        chosen = {}
+        for way, policy in policies.items():
+            monkeypatch.setattr(llm_policies, "NATIVE", compiled if way == "compiled" else None)
+            chosen[way] = (policy.choose(backends, (), dict(inflight), prompt).instance_id, policy.last_reason)
+        assert chosen["compiled"] == chosen["python"], f"step {step}"
+        iid, reason = chosen["compiled"]
+        seen[reason] = seen.get(reason, 0) + 1
+        inflight[iid] = inflight.get(iid, 0) + 1
+        for other in list(inflight):
+            if rng.random() < 0.15:
+                inflight[other] -= 1
+                if not inflight[other]:
+                    del inflight[other]
+    # the run took every kind of choice: a holder, none held, no prompt, a holder passed over
+    assert {"prefix", "prefix-miss", "no-prompt"} <= seen.keys(), seen
+    assert seen.keys() & {"prefix-overloaded", "prefix-kv-wait", "prefix-full"}, seen
