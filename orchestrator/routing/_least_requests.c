@@ -4,8 +4,9 @@
    the fewest requests, ours + foreign by each candidate's fresh engine snapshot, a tie taken in
    turn (the oldest stamp in the workers' turns file), every count read noted there. A worker's
    whole request on the compiled front's path (in process, the 2-core box, fresh snapshots) took
-   37.0 / 46.9 / 58.3 us at 2 / 8 / 16 instances with that pass in Python, the tie's stamps read
-   and the counts written apart; 32.9 / 40.2 / 50.4 with the pass here on the Backend objects (6
+   39.7 / 51.3 / 66.2 us at 2 / 8 / 16 instances in Python (`_least` over `_counted`: two dicts
+   built, the tie's stamps read and the counts written apart; 37.0 / 46.9 / 58.3 with a one-pass
+   copy, not kept); 32.9 / 40.2 / 50.4 with the pass here on the Backend objects (6
    attribute look-ups a candidate); 31.6 / 38.4 / 47.0 as it is now, on the candidates' ids and
    views as lists (kept per ready set, llm_policies.ReadyLists), the tie and the counts here too
    (least-outstanding: 26.0 / 30.7 / 36.3). It is the same pass, and leaves to the Python every

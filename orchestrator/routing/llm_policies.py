@@ -421,15 +421,15 @@ class ReadyLists:
 def _least_requests(candidates: Sequence[Backend], inflight: Mapping[str, int], now: float,
                     history: InflightHistory, turns: "Turns | SharedTurns", ready: "ReadyLists | None" = None
                     ) -> Backend:
-    """`_least(candidates, _counted(candidates, inflight, now, history, note=True)[0], turns)` in one
-    pass, without the two dicts: the choice where no cache is at stake (no prompt, or one no
-    candidate holds), most of the default's choices. The counts are read, noted and compared as
-    `_counted` and `_least` do (tests/test_llm_policies.py holds them to the same choices). A
+    """`_least(candidates, _counted(candidates, inflight, now, history, note=True)[0], turns)`: the
+    choice where no cache is at stake (no prompt, or one no candidate holds), most of the default's
+    choices. Compiled where built (`NATIVE.least`: one pass on the candidates' lists, `ready`, no
+    dict built, a tie broken and the counts noted on the workers' turns file there), for the plain
+    case; every other (a stale snapshot, terms not worked out yet) is that formula here, the one
+    definition of the rule (tests/test_llm_policies.py holds the two to the same choices). A
     worker's request on the compiled front's path, in process at 2 / 8 / 16 instances: 39.7 / 51.3
-    / 66.2 us through those two, 37.0 / 46.9 / 58.3 in this pass. Compiled where built (`NATIVE`:
-    the same pass on the candidates' lists, `ready`, a tie broken and the counts noted on the
-    workers' turns file there): 31.6 / 38.4 / 47.0, for the plain case; every other (a stale
-    snapshot, terms not worked out yet) goes on here."""
+    / 66.2 us through the formula, 31.6 / 38.4 / 47.0 compiled (a Python one-pass copy of the
+    formula's loop made 37.0 / 46.9 / 58.3; not kept: a second copy of the counting rule)."""
     compiled = NATIVE
     if compiled is not None and type(inflight) is dict:
         ids, views, cells = (ready if ready is not None else ReadyLists(turns)).of(candidates)
@@ -446,43 +446,7 @@ def _least_requests(candidates: Sequence[Backend], inflight: Mapping[str, int], 
             if history.noting:
                 history.note_counts(candidates, inflight, now)
             return candidates[found] if type(found) is int else turns.oldest([candidates[i] for i in found])
-    if history.shared is not None:
-        history.shared.note_counts(inflight)  # as `_counted` with `note`
-    terms = history._terms
-    low = math.inf
-    best: Backend | None = None
-    tied: list[Backend] | None = None
-    for b in candidates:
-        view = b.engine
-        snap = view.latest if view is not None else None
-        if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
-            break
-        iid = b.instance_id
-        ours = inflight.get(iid, 0)
-        t = terms.get(iid)
-        if t is None or t[0] is not snap:
-            t = _snapshot_terms(history, iid, snap, now)
-        then = t[1]
-        foreign = t[2] - (ours if then is None else then)
-        n = ours + foreign if foreign > 0 else ours
-        if n < low:
-            low = n
-            best = b
-            tied = None
-        elif n == low:
-            if tied is None:
-                tied = [best, b]  # type: ignore[list-item]
-            else:
-                tied.append(b)
-    else:
-        if history.noting:
-            history.note_counts(candidates, inflight, now)
-        assert best is not None  # candidates are never empty here
-        return best if tied is None else turns.oldest(tied)
-    # a stale candidate: every candidate by ours alone, as `_counted` measures them then
-    if history.noting:
-        history.note_counts(candidates, inflight, now)
-    return _least(candidates, {b.instance_id: float(inflight.get(b.instance_id, 0)) for b in candidates}, turns)
+    return _least(candidates, _counted(candidates, inflight, now, history, note=True, ready=ready)[0], turns)
 
 
 def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "Turns") -> Backend:
