@@ -555,12 +555,27 @@ def _random_state(seed: int, tmp_path, shared: bool):
     return backends, inflight, now, history, turns
 
 
-def _outcome(chosen, history, turns):
-    """What a choice leaves: the instance, the history's terms and notes, and the turns file."""
+def _left_behind(history, turns):
+    """What a pass leaves: the history's terms and notes, and the turns file."""
     stamps = getattr(turns, "stamps", None)
-    return (chosen.instance_id, history.noting, sorted((k, t[1:]) for k, t in history._terms.items()),
+    return (history.noting, sorted((k, t[1:]) for k, t in history._terms.items()),
             sorted((k, s.times, s.counts) for k, s in history._series.items()),
             bytes(stamps.buffer) if stamps is not None else None)
+
+
+def _compiled():
+    """llm_policies' compiled module, which these tests hold to the Python: it must be built."""
+    from orchestrator.routing import llm_policies
+
+    assert llm_policies.NATIVE is not None, \
+        "orchestrator/routing/_least_requests.c is not built (scripts/bootstrap builds it)"
+    return llm_policies.NATIVE
+
+
+def _recording(name: str, answers: list):
+    """The compiled module with its pass `name` appending each answer to `answers`."""
+    real = getattr(_compiled(), name)
+    return type("Recording", (), {name: staticmethod(lambda *a: answers.append(real(*a)) or answers[-1])})
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["one-policy", "workers"])
@@ -570,11 +585,8 @@ def test_the_no_cache_choice_compiled_and_in_python_is_the_least_requests_of_cou
     on its own copy: the same instance, and the same terms, notes and turns file left behind."""
     from orchestrator.routing import llm_policies
 
-    compiled = llm_policies.NATIVE
-    assert compiled is not None, "orchestrator/routing/_least_requests.c is not built (scripts/bootstrap builds it)"
-    decided = []  # what the compiled pass answered: an index, a list of ties, or None (the Python's)
-    counting = type("Counting", (), {
-        "least": staticmethod(lambda *a: decided.append(compiled.least(*a)) or decided[-1])})
+    decided: list = []  # what the compiled pass answered: an index, a list of ties, or None (the Python's)
+    counting = _recording("least", decided)
     for way in ("counted", "python", "compiled"):
         (tmp_path / way).mkdir()
     for seed in range(400):
@@ -587,7 +599,7 @@ def test_the_no_cache_choice_compiled_and_in_python_is_the_least_requests_of_cou
             else:
                 monkeypatch.setattr(llm_policies, "NATIVE", counting if way == "compiled" else None)
                 chosen = llm_policies._least_requests(backends, inflight, now, history, turns)
-            outcomes.append(_outcome(chosen, history, turns))
+            outcomes.append((chosen.instance_id, *_left_behind(history, turns)))
         assert outcomes[0] == outcomes[1] == outcomes[2], f"seed {seed}"
     # the compiled pass decided a good share itself, ties included, and left the rest to the Python
     assert sum(type(d) is int for d in decided) > 100 and None in decided, [decided.count(None), len(decided)]
@@ -602,11 +614,8 @@ def test_the_counts_compiled_and_in_python_are_the_same(shared, tmp_path, monkey
     turns file left behind, on random states."""
     from orchestrator.routing import llm_policies
 
-    compiled = llm_policies.NATIVE
-    assert compiled is not None, "orchestrator/routing/_least_requests.c is not built (scripts/bootstrap builds it)"
-    answered = []
-    counting = type("Counting", (), {
-        "counted": staticmethod(lambda *a: answered.append(compiled.counted(*a)) or answered[-1])})
+    answered: list = []
+    counting = _recording("counted", answered)
     for way in ("plain", "python", "compiled"):
         (tmp_path / way).mkdir()
     for seed in range(400):
@@ -616,11 +625,7 @@ def test_the_counts_compiled_and_in_python_are_the_same(shared, tmp_path, monkey
             monkeypatch.setattr(llm_policies, "NATIVE", counting if way == "compiled" else None)
             ready = llm_policies.ReadyLists(turns) if way != "plain" else None
             both = llm_policies._counted(backends, inflight, now, history, note=True, ready=ready)
-            stamps = getattr(turns, "stamps", None)
-            outcomes.append(([list(d.items()) for d in both], history.noting,
-                             sorted((k, t[1:]) for k, t in history._terms.items()),
-                             sorted((k, s.times, s.counts) for k, s in history._series.items()),
-                             bytes(stamps.buffer) if stamps is not None else None))
+            outcomes.append(([list(d.items()) for d in both], *_left_behind(history, turns)))
         assert outcomes[0] == outcomes[1] == outcomes[2], f"seed {seed}"
     assert sum(d is not None for d in answered) > 100 and None in answered
 
@@ -635,8 +640,7 @@ def test_the_default_routes_alike_compiled_and_in_python(shared, tmp_path, monke
     from orchestrator.routing import llm_policies
     from orchestrator.routing.llm_policies import SharedTurns
 
-    compiled = llm_policies.NATIVE
-    assert compiled is not None, "orchestrator/routing/_least_requests.c is not built (scripts/bootstrap builds it)"
+    compiled = _compiled()
     rng = random.Random(7)
     clock = [NOW]
     backends = tuple(backend(str(i)) for i in range(4))
