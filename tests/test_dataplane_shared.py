@@ -52,6 +52,28 @@ def test_inflight_is_the_sum_of_every_workers_row(tmp_path):
     assert GlobalInflight(b)["3"] == 1 and GlobalInflight(b).get("1") == 0
 
 
+def test_a_workers_counts_land_in_its_own_row_and_leave_the_table_closable(tmp_path):
+    """WorkerCounts keeps each instance's cell once met: the same cells add_inflight wrote, an id
+    beyond the table refused every time (not remembered as a cell), and no view of the map kept
+    open past the table's close."""
+    table = SharedTable.create(tmp_path / "t")
+    mine, other = WorkerCounts(table, 3), WorkerCounts(table, 4)
+    for _ in range(3):
+        mine.acquire("255")
+        mine.acquire("0")
+    other.acquire("0")
+    mine.release("0")
+    assert table.worker_inflight(3) == 5 and table.worker_inflight(4) == 1
+    assert GlobalInflight(table)["0"] == 3 and GlobalInflight(table)["255"] == 3
+    table.add_inflight(3, 255, -3)
+    assert GlobalInflight(table)["255"] == 0  # one cell, whoever writes it
+    for _ in range(2):
+        with pytest.raises(TableError, match="'256'"):
+            mine.acquire("256")
+    assert table.worker_inflight(3) == 2
+    table.close()  # BufferError if a view of the map were still exported
+
+
 def test_table_of_another_layout_is_refused(tmp_path):
     (tmp_path / "t").write_bytes(b"x" * 100)
     with pytest.raises(TableError, match="size 100"):

@@ -407,6 +407,11 @@ def test_prefix_affinity_wants_no_prompt_shorter_than_a_chunk_and_routes_it_as_n
     bal = Balancer("prefix-affinity", rng=random.Random(1))
     assert not bal.wants_prompt_of(DEFAULT_CHUNK_CHARS - 1) and bal.wants_prompt_of(DEFAULT_CHUNK_CHARS)
     assert Balancer("cost-model").wants_prompt_of(1) and not Balancer("least-outstanding").wants_prompt_of(10**6)
+    reloaded = Balancer("least-outstanding")
+    reloaded.set_policy("prefix-affinity")  # the threshold is the policy's, worked out again
+    assert reloaded.wants_prompt and reloaded.wants_prompt_of(DEFAULT_CHUNK_CHARS)
+    reloaded.set_policy("round-robin")
+    assert not reloaded.wants_prompt and not reloaded.wants_prompt_of(10**6)
     # the widest prompt a short body can carry: it has no key, and routes as no prompt at all
     short = RouteHints.from_prompt("é" * (DEFAULT_CHUNK_CHARS - 1))
     assert short.prompt_keys == () and short.route_key

@@ -153,6 +153,11 @@ class SharedTable:
         cell = self._cell(worker, instance)
         self._i32[cell] += delta
 
+    def inflight_cell(self, worker: int, instance_id: str) -> tuple[memoryview, int]:
+        """Where `add_inflight` adds for this worker and instance: the table's ints and the index
+        (the view itself, not a slice: a slice would keep the map from closing)."""
+        return self._i32, self._cell(worker, instance_index(instance_id))
+
     def use_rows(self, rows: int) -> None:
         """Worker slots 0..rows-1 may write their rows from now on (the daemon, before a start)."""
         i32 = self._i32
@@ -318,9 +323,27 @@ class WorkerCounts:
     def __init__(self, table: SharedTable, worker: int) -> None:
         self._table = table
         self._worker = worker
+        self._cells: dict[str, int] = {}  # instance id -> its cell in this worker's row, as met
+        self._i32: Any = None
 
+    def _cell(self, instance_id: str) -> int:
+        """The instance's cell, worked out the first time it is met (a TableError for an id beyond
+        the table, each time)."""
+        self._i32, cell = self._table.inflight_cell(self._worker, instance_id)
+        if len(self._cells) >= MAX_INSTANCES:
+            self._cells.clear()  # ids that came and went cannot grow it
+        self._cells[instance_id] = cell
+        return cell
+
+    # one index into the table's ints per request, where add_inflight took three calls
     def acquire(self, instance_id: str) -> None:
-        self._table.add_inflight(self._worker, instance_index(instance_id), 1)
+        cell = self._cells.get(instance_id)
+        if cell is None:
+            cell = self._cell(instance_id)
+        self._i32[cell] += 1
 
     def release(self, instance_id: str) -> None:
-        self._table.add_inflight(self._worker, instance_index(instance_id), -1)
+        cell = self._cells.get(instance_id)
+        if cell is None:
+            cell = self._cell(instance_id)
+        self._i32[cell] -= 1

@@ -138,7 +138,7 @@ def notes_counts(policy: str) -> bool:
 
 class Balancer:
     __slots__ = ("policy", "inflight", "_policy", "_choose", "_rng", "_clock", "_cooldown_s", "_cooling",
-                 "_view", "_counts_of", "_shared", "_prefix_index", "_journal", "_turns")
+                 "_view", "_counts_of", "_shared", "_prefix_index", "_journal", "_turns", "_prompt_from")
 
     def __init__(self, policy: str = LEAST_OUTSTANDING, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -176,21 +176,23 @@ class Balancer:
             extra["turns"] = self._turns
         self._policy = cls(self._rng, **extra)
         self._choose = self._policy.choose
+        # wants_prompt_of's threshold, worked out once per policy: it is asked per request.
+        # prefix-affinity reads only a prompt's full chunks (RouteHints.prompt_keys): a shorter one
+        # routes as no prompt, so parsing it (2-3 us a request) buys nothing; a prompt has at most
+        # as many characters as the bytes that carry it (JSON and UTF-8 never fewer bytes).
+        self._prompt_from: int | None = DEFAULT_CHUNK_CHARS if isinstance(self._policy, PrefixAffinity) \
+            else (0 if getattr(self._policy, "wants_prompt", False) else None)
 
     @property
     def wants_prompt(self) -> bool:
         """Whether `pick` can use a request's prompt at all."""
-        return isinstance(self._policy, PrefixAffinity) or getattr(self._policy, "wants_prompt", False)
+        return self._prompt_from is not None
 
     def wants_prompt_of(self, size: int) -> bool:
         """Whether `pick` can use the prompt of a request whose body (or gRPC message, or the
-        prompt itself) is `size` bytes or characters: worth parsing it for. A prompt has at most
-        as many characters as the bytes that carry it (JSON and UTF-8 never fewer bytes), and
-        prefix-affinity reads only a prompt's full chunks (RouteHints.prompt_keys): a shorter
-        one routes as no prompt, so parsing it (2-3 us a request) bought nothing."""
-        if isinstance(self._policy, PrefixAffinity):
-            return size >= DEFAULT_CHUNK_CHARS
-        return self.wants_prompt
+        prompt itself) is `size` bytes or characters: worth parsing it for (set_policy says when)."""
+        least = self._prompt_from
+        return least is not None and size >= least
 
     @property
     def last_reason(self) -> str:
