@@ -382,3 +382,30 @@ async def test_a_request_whose_only_instance_dies_is_held_by_aiohttp_until_it_is
     finally:
         port.close()
         await up.close()
+
+
+def test_a_batchs_inter_token_counts_are_added_bucket_by_bucket_at_the_fold():
+    """Ledger keeps each request's ITL counts and adds them up when it folds: the metrics see, per
+    instance and api, the sum of the sums and each bucket's total."""
+    from orchestrator.dataplane.front.ledger import Ledger
+
+    class Seen:
+        def __init__(self) -> None:
+            self.itl: dict[tuple[str, str], tuple[float, list[int]]] = {}
+
+        def inter_token_counts(self, instance: str, api: str, total: float, counts: list[int]) -> None:
+            assert (instance, api) not in self.itl  # one call per key and fold
+            self.itl[instance, api] = (total, list(counts))
+
+        def __getattr__(self, name: str) -> object:  # every other count: not this test's
+            return lambda *a, **k: None
+
+    ledger = Ledger()
+    ledger.tokens("0", "generate_stream", None, 3, (0.5, (1, 0, 2)))
+    ledger.tokens("1", "generate_stream", None, 2, (0.25, (0, 1, 0)))
+    ledger.tokens("0", "generate_stream", None, 4, (1.0, (0, 3, 1)))
+    ledger.tokens("0", "generate", None, 1, None)  # one event: no gap to count
+    ledger.tokens("0", "generate_stream", None, 5, (0.125, (4, 0, 0)))
+    seen = Seen()
+    ledger.fold(seen, None, 0.0)
+    assert seen.itl == {("0", "generate_stream"): (1.625, [5, 3, 3]), ("1", "generate_stream"): (0.25, [0, 1, 0])}

@@ -28,7 +28,10 @@ class Ledger:
         self.latency: defaultdict[str, list[float]] = defaultdict(list)  # instance -> to its answer head, s
         self.firsts: defaultdict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)  # (TTFT, when)
         self.events: defaultdict[tuple[str, str], int] = defaultdict(int)  # (instance, api) -> output events
-        self.itl: dict[tuple[str, str], list[Any]] = {}  # (instance, api) -> [sum, counts per ITL bucket]
+        # (instance, api) -> each request's (sum, counts per ITL bucket): added up at the fold, one
+        # pass per bucket over the batch (added per request, the buckets' list was 16% of the
+        # front's Python on 32-event streams: py-spy, 2-core box)
+        self.itl: defaultdict[tuple[str, str], list[tuple[float, tuple[int, ...]]]] = defaultdict(list)
         self.tallied = 0  # requests ended, for the worker's row of the shared table
 
     def __bool__(self) -> bool:
@@ -56,12 +59,7 @@ class Ledger:
         if events:
             self.events[key] += events
         if itl is not None:
-            acc = self.itl.get(key)
-            if acc is None:
-                self.itl[key] = [itl[0], list(itl[1])]
-            else:
-                acc[0] += itl[0]
-                acc[1] = [a + b for a, b in zip(acc[1], itl[1])]
+            self.itl[key].append(itl)
 
     def fold(self, metrics: Any, tally: Callable[[int], None] | None, now: float) -> None:
         """Add the batch to `metrics` (and the worker's tally); the ledger is spent after."""
@@ -78,8 +76,9 @@ class Ledger:
             metrics.first_tokens(instance, api, firsts)
         for (instance, api), n in self.events.items():
             metrics.count_events(instance, api, n, now)
-        for (instance, api), (total, counts) in self.itl.items():
-            metrics.inter_token_counts(instance, api, total, counts)
+        for (instance, api), itls in self.itl.items():
+            totals, counts = zip(*itls)
+            metrics.inter_token_counts(instance, api, sum(totals), [sum(bucket) for bucket in zip(*counts)])
         if tally is not None and self.tallied:
             tally(self.tallied)
 
