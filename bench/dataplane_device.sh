@@ -12,6 +12,8 @@
 #   ../shared/tools/relay-kit .carry/dp/relay        (static nginx, wrk, bench/sse_source.c built)
 #   cp <httptools, uvloop, py-spy, prometheus_client, orjson cp312 wheels> .carry/dp/wheels/
 # and python3 with aiohttp and psutil (the GPU image's /opt/torch/.venv has both; PYTHON=...).
+# The device tool brings back at most 8 files a call: write OUTDIR under $OUT and tar it there
+# (`cd $OUT && tar czf r.tgz OUTDIR && rm -rf OUTDIR`), or all but 8 of its files are lost.
 set -euo pipefail
 out=${1:?usage: dataplane_device.sh OUTDIR [dataplane_bench args]}
 shift
