@@ -153,10 +153,10 @@ class SharedTable:
         cell = self._cell(worker, instance)
         self._i32[cell] += delta
 
-    def inflight_cell(self, worker: int, instance_id: str) -> tuple[memoryview, int]:
-        """Where `add_inflight` adds for this worker and instance: the table's ints and the index
-        (the view itself, not a slice: a slice would keep the map from closing)."""
-        return self._i32, self._cell(worker, instance_index(instance_id))
+    def inflight_row(self, worker: int) -> tuple[memoryview, int]:
+        """Where `add_inflight` adds for this worker: the table's ints and the index of its row's
+        first cell, column 0 (the view itself, not a slice: a slice would keep the map from closing)."""
+        return self._i32, self._cell(worker, 0)
 
     def use_rows(self, rows: int) -> None:
         """Worker slots 0..rows-1 may write their rows from now on (the daemon, before a start)."""
@@ -321,15 +321,13 @@ class WorkerCounts:
     """One worker's own in-flight row: what `Balancer.acquire/release` write."""
 
     def __init__(self, table: SharedTable, worker: int) -> None:
-        self._table = table
-        self._worker = worker
+        self._i32, self._row = table.inflight_row(worker)
         self._cells: dict[str, int] = {}  # instance id -> its cell in this worker's row, as met
-        self._i32: Any = None
 
     def _cell(self, instance_id: str) -> int:
         """The instance's cell, worked out the first time it is met (a TableError for an id beyond
         the table, each time)."""
-        self._i32, cell = self._table.inflight_cell(self._worker, instance_id)
+        cell = self._row + instance_index(instance_id)
         if len(self._cells) >= MAX_INSTANCES:
             self._cells.clear()  # ids that came and went cannot grow it
         self._cells[instance_id] = cell

@@ -192,9 +192,7 @@ class FrontPath:
         request.tried.append(iid)
         self._ledger.pick(balancer.policy, balancer.last_reason, iid)
         if request.timer is not None:
-            decision = balancer.last_decision  # a routing model's (None for most policies)
-            if decision is not None:
-                p.metrics.route_decision(decision, request.timer)
+            p.metrics.route_decision(balancer.last_decision, request.timer)
         balancer.acquire(iid)
         request.backend = b
         request.sent_at = time.monotonic()
