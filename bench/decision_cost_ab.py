@@ -34,7 +34,7 @@ from bench.decision_cost import child
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = (("prefix-affinity", "tenant", "quiet"), ("prefix-affinity", "long", "quiet"),
            ("prefix-affinity", "tenant", "busy"), ("prefix-affinity", "long", "busy"),
-           ("cost-model", "tenant", "quiet"), ("cost-model", "tenant", "busy"),
+           ("cost-model", "tenant", "quiet"), ("cost-model", "tenant", "busy"), ("cost-model", "long", "busy"),
            ("least-outstanding", "tenant", "busy"))
 
 

@@ -490,3 +490,110 @@ def test_holdings_count_each_prefix_once_and_drop_the_ones_found_too_long_ago():
     assert held.blocks("0", 25.0) == 40  # b was last found at 20
     held.forget("0")
     assert held.blocks("0", 0.0) == 0
+
+
+def _compiled_pass():
+    """cost_policy's compiled pass, which these tests hold to the Python: it must be built."""
+    from orchestrator.routing import cost_policy
+
+    assert cost_policy.NATIVE is not None, "orchestrator/routing/_cost_pass.c is not built (scripts/bootstrap builds it)"
+    return cost_policy.NATIVE
+
+
+def _random_candidates(seed: int):
+    """A choice's pass inputs on a random state: candidates with or without rates, fresh or stale
+    snapshots, pending ledgers with entries due and not, counts, cached tokens and the other
+    workers' pending prefill; now and then a count that is not an int (the Python's to price)."""
+    from orchestrator.routing.cost_model import Rates
+    from orchestrator.routing.cost_policy import _Inst
+
+    rng = random.Random(seed)
+    now = 1000.0
+    journal = Journal()
+    cands = []
+    n = rng.randint(1, 16)
+    for i in range(n):
+        inst = _Inst(str(i), journal)
+        inst.at = now - rng.choice([0.05, 0.5, 3.0]) if rng.random() < 0.95 else -float("inf")
+        inst.stale_after_s = 1.0
+        inst.foreign = rng.randint(0, 12)
+        inst.slots = rng.choice([1, 8, 64])
+        if rng.random() < 0.97:
+            inst.rates = Rates(0.02, rng.choice([1e-4, 2e-4, 5e-5]), rng.choice([0.02, 0.015, 0.03]), 20.0)
+            inst.prefill_s, inst.decode_s = inst.rates.prefill_s, inst.rates.decode_s
+            inst.wait_unit = 20.0 * 0.02 / inst.slots
+        for _ in range(rng.randint(0, 4)):  # prompt tokens pending there, some of them due by now
+            inst.pending.add(rng.randint(1, 3000), now + rng.uniform(-0.2, 0.5))
+        cands.append(inst)
+    inflight = {str(i): rng.randint(0, 70) for i in range(n) if rng.random() < 0.8}
+    if rng.random() < 0.05:
+        inflight[str(rng.randrange(n))] = 2.0  # not an int: the compiled pass leaves it to the Python
+    tokens = rng.choice([0, 90, 2100, 12000])
+    cached = {str(i): rng.randint(0, tokens) for i in range(n) if tokens and rng.random() < 0.4}
+    least = tokens - max(cached.values(), default=0)
+    others = {str(i): float(rng.randint(0, 4000)) for i in range(n) if rng.random() < 0.5} or None
+    return cands, inflight, tokens, cached, least, others, now, rng.random() < 0.95
+
+
+def test_the_pricing_pass_compiled_and_in_python_is_the_same(monkeypatch):
+    """cost_policy._price and its compiled pass on random states, each on its own copy: the same
+    answer to the bit (every cost, count, the lowest, the tolerance, the copy's place and price)
+    and the same pending ledgers left behind (an entry due is dropped by either)."""
+    from orchestrator.routing import cost_policy
+
+    compiled = _compiled_pass()
+    answered = []
+    for seed in range(600):
+        python_state = _random_candidates(seed)
+        python = cost_policy._price(*python_state)
+        compiled_state = _random_candidates(seed)
+        found = compiled.price(*compiled_state)
+        answered.append(found)
+        if found is None:  # the plain case only: the Python prices the rest
+            found = cost_policy._price(*compiled_state)
+        assert repr(found) == repr(python), f"seed {seed}"
+        left = [[(inst.pending.total, [e[:2] for e in inst.pending.heap]) for inst in state[0]]
+                for state in (python_state, compiled_state)]
+        assert left[0] == left[1], f"seed {seed}"
+    priced = [a for a in answered if a is not None and a[1] is not None]
+    assert len(priced) > 400 and None in answered and any(a is not None and a[1] is None for a in answered)
+    assert any(p[1][5] >= 0 for p in priced) and any(not p[0] for p in priced)  # a copy's place; a stale snapshot
+
+
+def test_cost_model_routes_alike_compiled_and_in_python(monkeypatch):
+    """The policy whole, its compiled pass on and off, over 1500 requests on four busy engines
+    (tenant prompts, unique ones, none; counts that rise with each choice and fall at random,
+    first tokens reported): every choice, its reason and its estimate the same."""
+    from orchestrator.routing import cost_policy
+
+    compiled = _compiled_pass()
+    runs = {way: learnt(4) for way in ("compiled", "python")}
+    rng = random.Random(11)
+    inflight: dict[str, int] = {}
+    reasons: set[str] = set()
+    for k in range(1500):
+        kind = rng.random()
+        h = hints(rng.randrange(6), f"q{k}") if kind < 0.7 else \
+            RouteHints.from_prompt(f"unique {k} " * rng.randint(1, 300)) if kind < 0.9 else None
+        chosen = {}
+        for way, (policy, eng, clock) in runs.items():
+            monkeypatch.setattr(cost_policy, "NATIVE", compiled if way == "compiled" else None)
+            picked = policy.choose(eng.backends, (), dict(inflight), h).instance_id
+            d = policy.last_decision
+            chosen[way] = (picked, policy.last_reason, d.estimate_s, d.cached_tokens)
+            if k % 4 == 0:
+                d.first_token(0.05)
+        assert chosen["compiled"] == chosen["python"], f"request {k}"
+        picked, reason = chosen["compiled"][:2]
+        reasons.add(reason)
+        inflight[picked] = inflight.get(picked, 0) + 1
+        for other in list(inflight):
+            if rng.random() < 0.1:
+                inflight[other] -= 1
+        advance = rng.choice([0.0, 0.002, 0.01])
+        for way, (policy, eng, clock) in runs.items():
+            clock.t += advance
+            if k % 25 == 0:
+                eng.active = [min(8, inflight.get(str(i), 0)) for i in range(4)]
+                eng.scrape()
+    assert {HIT, MISS, LOAD} <= reasons, reasons

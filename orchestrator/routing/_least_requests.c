@@ -19,29 +19,9 @@
    tests/test_llm_policies.py holds both to the same choices and the same file on random states. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_numbers.h"
 
 static PyObject *s_latest, *s_stale_after_s;
-
-/* An exact int into *out; 0 where `v` is not one, or does not fit. */
-static int int_value(PyObject *v, long long *out) {
-    if (!PyLong_CheckExact(v)) return 0;
-    int overflow = 0;
-    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (overflow) return 0;
-    if (*out == -1 && PyErr_Occurred()) return -1;
-    return 1;
-}
-
-/* A float or an int into *out; 0 where `v` is neither. */
-static int float_value(PyObject *v, double *out) {
-    if (PyFloat_CheckExact(v)) {
-        *out = PyFloat_AS_DOUBLE(v);
-        return 1;
-    }
-    if (!PyLong_CheckExact(v)) return 0;
-    *out = PyLong_AsDouble(v);
-    return *out == -1.0 && PyErr_Occurred() ? -1 : 1;
-}
 
 /* Candidate i's requests (ours + foreign) into *requests, its count into *ours: 1; 0 where the
    Python must decide; -1 on an error. */

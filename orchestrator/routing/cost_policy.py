@@ -91,6 +91,7 @@ import time
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from orchestrator import native
 from orchestrator.health.engine_state import EngineSnapshot
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.cost_model import RateBook, Rates, cached_blocks
@@ -101,6 +102,9 @@ from orchestrator.routing.tokens import TokenRatio
 from orchestrator.routing.view_listeners import subscribe
 
 HIT, SPILL, MISS, LOAD = "hit", "spill", "miss", "load"
+# _price compiled (_cost_pass.c), or None (not built, or TRTLLM_ORCH_PURE_PYTHON=1): read at each
+# call, so tests run both.
+NATIVE = native.load("orchestrator.routing._cost_pass")
 
 
 class _Inst:
@@ -125,6 +129,67 @@ class _Inst:
         self.kv_blocks = 0
         self.log = journal.log(iid)
         self.pending = journal.pending(iid)
+
+
+PricedPass = tuple[list[float], list[int], float, float, float, int, float]
+
+
+def _price(cands: Sequence[_Inst], inflight: Mapping[str, int], tokens: int, cached: Mapping[str, int], least: int,
+           others: Mapping[str, float] | None, now: float, calibrated: bool) -> tuple[bool, PricedPass | None]:
+    """The choice's pass over its candidates (compiled where built: NATIVE.price, the same pass;
+    tests/test_cost_model.py holds them to the same numbers on random states). Returns
+    (fresh: every candidate's snapshot is, priced), priced None where the estimate has no seconds
+    yet (the ratio not `calibrated`, or a candidate without rates), else each candidate's cost
+    in seconds and its requests (ours from every worker, plus what its engine holds that we did
+    not send where every snapshot is fresh), the lowest cost, the least decode iteration (the
+    tolerance before the estimates' error is known), and where a copy of the best-cached prefix
+    would cost least were it made (its cost then, its index or -1, the copy's price there).
+
+    A candidate's cost is cost_model.ttft_estimate inline, with the prompt tokens pending
+    prefill there (its own worker's ledger, `others`: the other workers'), plus what the choice
+    costs the others where it computes tokens the best-cached instance (`least` tokens to
+    compute) would not: engine time for nothing, and what waits for a slot there waits for it."""
+    fresh = True
+    rated = calibrated
+    for inst in cands:
+        if now - inst.at > inst.stale_after_s:
+            fresh = False
+        if inst.rates is None:
+            rated = False
+    if not rated:
+        return fresh, None
+    get = inflight.get
+    costs: list[float] = []
+    ns: list[int] = []
+    copy_low, copy_at, copy_buy = math.inf, -1, 0.0
+    low = tol = math.inf
+    for inst in cands:
+        iid = inst.iid
+        n = get(iid, 0) + inst.foreign if fresh else get(iid, 0)
+        p = inst.prefill_s
+        uncached = tokens - cached[iid] if iid in cached else tokens
+        pending = inst.pending
+        heap = pending.heap  # Pending.at only where an entry is due: a call per candidate was 1/8 of a pick
+        queued = (pending.total if heap[0][0] > now else pending.at(now)) if heap else 0.0
+        if others:
+            queued += others.get(iid, 0.0)
+        cost = p * (queued + uncached) + inst.decode_s
+        slots = inst.slots
+        if n >= slots:
+            cost += (n - slots + 1) * inst.wait_unit
+        if uncached > least:
+            over = p * (uncached - least) * (n - slots + 1 if n >= slots else 1)
+            cost += over
+            buy = over + p * (uncached - least)  # and the copy's own prefill
+            if cost - buy < copy_low:
+                copy_low, copy_at, copy_buy = cost - buy, len(costs), buy
+        costs.append(cost)
+        ns.append(n)
+        if cost < low:
+            low = cost
+        if inst.decode_s < tol:
+            tol = inst.decode_s
+    return fresh, (costs, ns, low, tol, copy_low, copy_at, copy_buy)
 
 
 class Decision:
@@ -184,6 +249,7 @@ class CostModel:
         self.book = RateBook()
         self._insts: dict[str, _Inst] = {}
         self._seen: Sequence[Backend] | None = None  # the ready set last listened to
+        self._seen_insts: list[_Inst] = []  # its instances, in its order
         self._inflight: Mapping[str, int] = {}  # what the last choice was handed (global counts)
         self.learn_errors = 0
         self.last_reason = ""
@@ -238,6 +304,7 @@ class CostModel:
             inst.stale_after_s = view.stale_after_s
             subscribe(self, b.instance_id, view)
         self._seen = backends
+        self._seen_insts = [self._insts[b.instance_id] for b in backends]
 
     # --- choice --------------------------------------------------------------------------------
     def choose(self, backends: Sequence[Backend], skip: Collection[str], inflight: Mapping[str, int],
@@ -281,19 +348,15 @@ class CostModel:
         ready = backends  # the whole ready set: what the shared files' spans are cached for
         if skip:
             backends = [b for b in backends if b.instance_id not in skip]
-        cands = [insts[b.instance_id] for b in backends]
+            cands = [insts[b.instance_id] for b in backends]
+        else:
+            cands = self._seen_insts
         if not cands:
             return None
-        fresh = True
         # Seconds need rates and prompt lengths in tokens: until the token ratio is calibrated
         # (the first finished requests, or the tokenizer's first sample) a prompt's prefill is
         # a guess off by the tokenizer's characters per token (4x on BPE against the byte twin).
-        learnt = self.ratio.source != "prior"
-        for inst in cands:
-            if now - inst.at > inst.stale_after_s:
-                fresh = False
-            if inst.rates is None:
-                learnt = False
+        calibrated = self.ratio.source != "prior"
         ratio = self.ratio.value
         tokens = int(hints.prompt_chars * ratio) if hints is not None else 0
         keys = hints.prompt_keys if hints is not None else ()
@@ -329,46 +392,22 @@ class CostModel:
                         top = d
         best_cached = max(cached.values(), default=0)
         least = tokens - best_cached  # what the best-cached instance would compute
-        get = inflight.get
-        costs: list[float] = []
-        # where a copy of the best-cached prefix would cost least, were it made: (cost then, its
-        # index, the copy's price there)
-        copy_low, copy_at, copy_buy = math.inf, -1, 0.0
-        ns: list[int] = []
-        low = math.inf
+        # the other workers' pending prefill (None: not shared, or none there); seconds are priced with it
+        others = (self.journal.others(ready) or None) if calibrated else None
+        compiled = NATIVE
+        found = compiled.price(cands, inflight, tokens, cached, least, others, now, calibrated) \
+            if compiled is not None else None
+        fresh, priced = found if found is not None else _price(cands, inflight, tokens, cached, least, others, now,
+                                                              calibrated)
+        learnt = priced is not None
         tol = 0.0
-        # the other workers' pending prefill (None: not shared); what seconds are priced with
-        others = self.journal.others(ready) if learnt else None
-        if learnt:
-            tol = math.inf
-            for inst in cands:
-                iid = inst.iid
-                n = get(iid, 0) + inst.foreign if fresh else get(iid, 0)
-                p = inst.prefill_s
-                uncached = tokens - cached[iid] if iid in cached else tokens
-                # ttft_estimate, inline (16 candidates in < 20 us); the test suite holds them equal
-                pending = inst.pending
-                heap = pending.heap  # Pending.at only where an entry is due: a call per candidate was 1/8 of a pick
-                queued = (pending.total if heap[0][0] > now else pending.at(now)) if heap else 0.0
-                if others:
-                    queued += others.get(iid, 0.0)
-                cost = p * (queued + uncached) + inst.decode_s
-                slots = inst.slots
-                if n >= slots:
-                    cost += (n - slots + 1) * inst.wait_unit
-                if uncached > least:  # engine time for nothing, and what waits for a slot there waits for it
-                    over = p * (uncached - least) * (n - slots + 1 if n >= slots else 1)
-                    cost += over
-                    buy = over + p * (uncached - least)  # and the copy's own prefill
-                    if cost - buy < copy_low:
-                        copy_low, copy_at, copy_buy = cost - buy, len(costs), buy
-                costs.append(cost)
-                ns.append(n)
-                if cost < low:
-                    low = cost
-                if inst.decode_s < tol:
-                    tol = inst.decode_s
+        if priced is not None:
+            costs, ns, low, tol, copy_low, copy_at, copy_buy = priced
         else:  # no seconds yet (the first second or so): batches queued, a cached prefix worth one
+            get = inflight.get
+            costs, ns = [], []
+            copy_at = -1
+            low = math.inf
             for inst in cands:
                 n = get(inst.iid, 0) + inst.foreign if fresh else get(inst.iid, 0)
                 slots = inst.slots or 1
