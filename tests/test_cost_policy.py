@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import random
+from types import MappingProxyType
 
 import pytest
 
@@ -503,7 +504,8 @@ def _compiled_pass():
 def _random_candidates(seed: int):
     """A choice's pass inputs on a random state: candidates with or without rates, fresh or stale
     snapshots, pending ledgers with entries due and not, counts, cached tokens and the other
-    workers' pending prefill; now and then a count that is not an int (the Python's to price)."""
+    workers' pending prefill; now and then a count that is not an int, or counts that are not in a
+    dict (the Python's to price)."""
     from orchestrator.routing.cost_model import Rates
     from orchestrator.routing.cost_policy import _Inst
 
@@ -528,6 +530,8 @@ def _random_candidates(seed: int):
     inflight = {str(i): rng.randint(0, 70) for i in range(n) if rng.random() < 0.8}
     if rng.random() < 0.05:
         inflight[str(rng.randrange(n))] = 2.0  # not an int: the compiled pass leaves it to the Python
+    if rng.random() < 0.03:
+        inflight = MappingProxyType(inflight)  # a Mapping, not a dict: the Python's too
     tokens = rng.choice([0, 90, 2100, 12000])
     cached = {str(i): rng.randint(0, tokens) for i in range(n) if tokens and rng.random() < 0.4}
     least = tokens - max(cached.values(), default=0)

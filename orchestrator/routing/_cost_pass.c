@@ -8,7 +8,7 @@
    the bit; an entry of a pending ledger that is due is dropped by the ledger's own `at` (Python),
    and every case that is not the plain one (a count that is not an int, a value that is not a
    number, a ledger's heap that is not a list) is left to the Python (None), so the Python keeps
-   every rule and this module none of its own. tests/test_cost_model.py holds both to the same
+   every rule and this module none of its own. tests/test_cost_policy.py holds both to the same
    answers on random states. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -128,10 +128,12 @@ static PyObject *price(PyObject *self, PyObject *args) {
     long long tokens, least;
     double now;
     int calibrated;
-    if (!PyArg_ParseTuple(args, "O!O!LO!LOdp", &PyList_Type, &cands, &PyDict_Type, &inflight, &tokens,
-                          &PyDict_Type, &cached, &least, &others, &now, &calibrated))
+    if (!PyArg_ParseTuple(args, "O!OLOLOdp", &PyList_Type, &cands, &inflight, &tokens, &cached, &least, &others,
+                          &now, &calibrated))
         return NULL;
-    if (others != Py_None && !PyDict_CheckExact(others)) Py_RETURN_NONE;
+    /* counts, cached tokens and the others' prefill in plain dicts (a Mapping of another kind: the Python's) */
+    if (!PyDict_CheckExact(inflight) || !PyDict_CheckExact(cached) || (others != Py_None && !PyDict_CheckExact(others)))
+        Py_RETURN_NONE;
     Py_ssize_t count = PyList_GET_SIZE(cands);
     PyObject *out = NULL, *costs = NULL, *ns = NULL;
     int fresh = 1, rated = calibrated, ok;

@@ -137,7 +137,7 @@ PricedPass = tuple[list[float], list[int], float, float, float, int, float]
 def _price(cands: Sequence[_Inst], inflight: Mapping[str, int], tokens: int, cached: Mapping[str, int], least: int,
            others: Mapping[str, float] | None, now: float, calibrated: bool) -> tuple[bool, PricedPass | None]:
     """The choice's pass over its candidates (compiled where built: NATIVE.price, the same pass;
-    tests/test_cost_model.py holds them to the same numbers on random states). Returns
+    tests/test_cost_policy.py holds them to the same numbers on random states). Returns
     (fresh: every candidate's snapshot is, priced), priced None where the estimate has no seconds
     yet (the ratio not `calibrated`, or a candidate without rates), else each candidate's cost
     in seconds and its requests (ours from every worker, plus what its engine holds that we did
