@@ -122,6 +122,40 @@ def test_counts_are_noted_only_while_the_snapshots_come_without_the_daemons_coun
     assert requests([a, b], {"0": 2, "1": 2}, NOW, history) == {"0": 2.0, "1": 2.0}
 
 
+def test_counts_are_noted_while_any_instances_snapshots_come_without_the_daemons_count():
+    """Where the daemon has a count for some instances and not for others (ids beyond the shared
+    table's columns), the notes go on for as long as one instance's snapshots lack it, and are
+    kept between snapshots (each snapshot turned them on or off for all, and every turn on
+    cleared them); they stop once every instance's latest snapshot carries it, or the one without
+    it has left the ready set."""
+    clock = [NOW - 0.5]
+    a, b = backend("0"), backend("1")
+    policy = KvAware(random.Random(1), clock=lambda: clock[0])
+    history = policy.history
+    for k in range(6):
+        clock[0] = NOW - 0.4 + 0.05 * k
+        a.engine.update(EngineSnapshot(at=clock[0] - 0.01, active=1, max_active=8, kv_max=100, iteration=1.0,
+                                       routed=1))
+        b.engine.update(snap(active=1, at=clock[0] - 0.01))  # no count from the daemon
+        policy.choose([a, b], (), {"0": 1 + k % 2, "1": 1})
+        assert history.noting
+    # the notes of every choice are still there: nothing cleared them between snapshots
+    assert history.at("0", NOW - 0.4) is not None and history.at("0", NOW - 0.15) is not None
+    b.engine.update(EngineSnapshot(at=NOW - 0.1, active=1, max_active=8, kv_max=100, iteration=1.0, routed=1))
+    clock[0] = NOW
+    policy.choose([a, b], (), {"0": 1, "1": 1})
+    assert not history.noting  # every instance's latest snapshot carries the daemon's count
+    b.engine.update(snap(active=1, at=NOW + 0.05))
+    clock[0] = NOW + 0.1
+    policy.choose([a, b], (), {"0": 1, "1": 1})
+    assert history.noting
+    policy.forget("1")  # it left the ready set: a's next snapshot, with the count, stops the notes
+    a.engine.update(EngineSnapshot(at=NOW + 0.15, active=1, max_active=8, kv_max=100, iteration=1.0, routed=1))
+    clock[0] = NOW + 0.2
+    policy.choose([a], (), {"0": 1})
+    assert not history.noting
+
+
 def test_one_stale_snapshot_means_inflight_counts_for_everyone():
     a = backend("0", snap(active=8, at=NOW - 5))  # stale
     b = backend("1", snap(active=8))

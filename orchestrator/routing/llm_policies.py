@@ -184,6 +184,11 @@ class InflightHistory:
         # every snapshot, and until one comes (a cold start, or instances without TRT-LLM
         # metrics: none ever) the notes were kept for nothing, half of its decision at 16.
         self.noting = True
+        # The instances whose latest snapshot came without it: noting while there is any. Each
+        # snapshot turned noting on or off for all alike, and where some instances' snapshots carry
+        # the count and others' do not (ids beyond the shared table's columns: the daemon has no
+        # count for them) it flipped at every snapshot, each flip on clearing every note.
+        self._unrouted: set[str] = set()
 
     def prime(self, instance_id: str, snap: EngineSnapshot, now: float) -> None:
         """Work out `_counted`'s terms of a snapshot as it arrives (a policy listening to the views
@@ -194,15 +199,27 @@ class InflightHistory:
         if snap.iteration is not None:
             _snapshot_terms(self, instance_id, snap, now)
 
-    def heard(self, snap: EngineSnapshot) -> None:
-        """A snapshot's terms are being worked out: note counts from now on where it came without
-        the daemon's count, not where it came with it. Notes resumed after a pause start afresh
-        (a note holds until the next, and there was none in the pause)."""
+    def heard(self, instance_id: str, snap: EngineSnapshot) -> None:
+        """A snapshot's terms are being worked out: note counts from now on while some instance's
+        latest snapshot came without the daemon's count, not while every one came with it. Notes
+        resumed after a pause start afresh (a note holds until the next, and there was none in the
+        pause)."""
+        unrouted = self._unrouted
         if snap.routed is not None:
-            self.noting = False
-        elif not self.noting:
+            if unrouted:
+                unrouted.discard(instance_id)
+            if not unrouted:
+                self.noting = False
+            return
+        unrouted.add(instance_id)
+        if not self.noting:
             self._series.clear()
             self.noting = True
+
+    def forget(self, instance_id: str) -> None:
+        """The instance left the ready set: its snapshots without the daemon's count keep no one
+        noting (the next snapshot with the count, from any instance, stops the notes if none is left)."""
+        self._unrouted.discard(instance_id)
 
     def note_counts(self, candidates: Sequence[Backend], inflight: Mapping[str, int], now: float) -> None:
         """Each candidate's count as a choice read it, noted at `now` where it changed."""
@@ -273,7 +290,7 @@ def _snapshot_terms(history: InflightHistory, instance_id: str, snap: EngineSnap
     notes, the requests its engine holds, its KV term, its time); kept in the history's terms only once the
     clock is past the snapshot's time (notes are made at `now`: none can join those at or before
     it after that)."""
-    history.heard(snap)
+    history.heard(instance_id, snap)
     notes = history._series.get(instance_id)
     kv_max = snap.kv_max
     # Our count when the engine took its numbers, as an upper bound (so `foreign` errs low): as
@@ -554,6 +571,10 @@ class _LoadAware:
         self._turns.chosen(chosen.instance_id, now)
         return chosen
 
+    def forget(self, instance_id: str) -> None:
+        """The instance left the ready set (it restarts, or is gone)."""
+        self.history.forget(instance_id)
+
 
 class KvAware(_LoadAware):
     """Least load as the engines report it (see `loads`)."""
@@ -674,5 +695,6 @@ class PrefixAffinity(_LoadAware):
         return depth, gone
 
     def forget(self, instance_id: str) -> None:
+        super().forget(instance_id)
         self.index.forget_instance(instance_id)
         self._writes.pop(instance_id, None)
