@@ -102,8 +102,8 @@ async def _aiohttp_side() -> Any:
 
 def _route_rules(state: Path, slot: int, ports: list[int], policy: str) -> tuple[Any, Any, Any]:
     """(the Decider, decide(head, body) -> (instance index, index) or None, release(index, status,
-    outcome, events, head_at, first_at)): the product's route as the split's deciders take it, the count acquired by decide
-    and released by release (the front's API, front/_front.c)."""
+    outcome, events, head_at, first_at)): the product's route as the split's deciders take it, the count
+    acquired by decide and released by release (the front's API, front/_front.c)."""
     from bench._route_decider import Decider
     decider = Decider(state, slot, ports, policy)
     ids = [b.instance_id for b in decider.backends]

@@ -284,8 +284,8 @@ def bars(ax: Any, groups: list[str], series: dict[str, list[float | None]], *, y
     ax.grid(axis="y", alpha=0.3)
 
 
-def latency_bars(ax: Any, rows: list[dict[str, Any]], title: str, keys: tuple[str, ...] = ("p50_ms", "p90_ms", "p99_ms"),
-                 label: str = "target") -> None:
+def latency_bars(ax: Any, rows: list[dict[str, Any]], title: str,
+                 keys: tuple[str, ...] = ("p50_ms", "p90_ms", "p99_ms"), label: str = "target") -> None:
     """Latency percentiles per target (rows as the benches' tables have them)."""
     bars(ax, [str(r[label]) for r in rows], {k.replace("_ms", ""): [r.get(k) for r in rows] for k in keys},
          ylabel="ms", title=title, fmt="{:.1f}")

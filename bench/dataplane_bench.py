@@ -668,7 +668,8 @@ def _present(result: dict[str, Any], key: str) -> list[str]:
 
 def _stream_table(result: dict[str, Any], key: str, events: int) -> list[str]:
     procs = result.get("source_procs", 1)
-    backends = f"{result.get('sources', SOURCES)} sse_source backends" + (f" of {procs} processes each" if procs > 1 else "")
+    backends = f"{result.get('sources', SOURCES)} sse_source backends" + (
+        f" of {procs} processes each" if procs > 1 else "")
     names = ["embedded", *_present(result, key), "nginx"]
     short = " / ".join(n.replace("embedded", "emb") for n in names)
     lines = [f"## SSE events/s (wrk, 256 streams x {events} events, {backends})", "",

@@ -182,7 +182,8 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for name, mode in modes.items():
         kills = mode.get("kills", [])
-        axes[0].plot([k["kill"] for k in kills], [k["ready_s"] for k in kills], marker="o", label=f"{name}: ready again")
+        axes[0].plot([k["kill"] for k in kills], [k["ready_s"] for k in kills], marker="o",
+                     label=f"{name}: ready again")
         axes[0].plot([k["kill"] for k in kills], [k["leave_s"] for k in kills], marker="x", linestyle="--",
                      label=f"{name}: out of rotation")
     axes[0].set_xlabel("kill -9 of a rank, #")

@@ -15,9 +15,10 @@ twin (TP1), and both targets go through the same endpoint, proxy and instance:
 The twin's repository is filled with `enable_kv_cache_reuse:false`: AIPerf's prompts
 repeat between runs with the same seed, and a cached prefix would make whichever target
 runs second look faster; and with no prefill cost by default, so that TTFT is the path
-plus one decode step and a sub-millisecond difference is not lost in the model's noise. Each round uses its own seed and visits the targets in rotated
-order; tables show per-target medians over rounds, and the TTFT delta is the median of
-per-round deltas (p50 openai - p50 native).
+plus one decode step and a sub-millisecond difference is not lost in the model's noise.
+Each round uses its own seed and visits the targets in rotated order; tables show
+per-target medians over rounds, and the TTFT delta is the median of per-round deltas
+(p50 openai - p50 native).
 
 AIPerf's token-based numbers (ITL, tokens/s) count tokens with the client tokenizer,
 which for the twin encodes generated words as bytes: the table shows the inter-chunk

@@ -10,10 +10,10 @@ same cells beside them (bench/routing_sim.py: is the simulator faithful?).
 
 Setup per engine cell (slots, KV room): ONE daemon, `trtllm-orch up --gpus 0-1 --tp 1
 --assume-gpus 2 --proxy embedded --config FILE --canary-interval-s 0` (an overloaded segment's
-queue outlasts the canary's timeout, and the instance would be restarted), serving a twin repository (demo/fill_template.py)
-with the cell's engine: triton_max_batch_size = slots, max_tokens_in_paged_kv_cache = the cell's
-KV tokens, twin_tokens_per_block 64, KV reuse on, guaranteed_no_evict, twin_decode_ms 20,
-twin_prefill_ms_per_token 0.1 (routing_cells.py has the numbers).
+queue outlasts the canary's timeout, and the instance would be restarted), serving a twin
+repository (demo/fill_template.py) with the cell's engine: triton_max_batch_size = slots,
+max_tokens_in_paged_kv_cache = the cell's KV tokens, twin_tokens_per_block 64, KV reuse on,
+guaranteed_no_evict, twin_decode_ms 20, twin_prefill_ms_per_token 0.1 (routing_cells.py has the numbers).
 
 Targets, in front of the same two instances:
   cost-model, prefix-affinity, least-outstanding, round-robin

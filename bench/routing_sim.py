@@ -486,7 +486,8 @@ def main() -> int:
     ap.add_argument("--reuse", help="an earlier run's JSON: its rows for the targets not in --rerun are taken "
                     "as they are (same --seconds and --seeds)")
     ap.add_argument("--rerun", default="cost-model", help="with --reuse: the targets simulated again")
-    ap.add_argument("--out", type=Path, help="write the result (JSON, PNG) into this directory instead of bench/results")
+    ap.add_argument("--out", type=Path,
+                    help="write the result (JSON, PNG) into this directory instead of bench/results")
     a = ap.parse_args()
     cs = rc.cells(tuple(int(x) for x in a.shapes.split(",")), tuple(float(x) for x in a.rooms.split(",")),
                   tuple(a.workloads.split(",")), tuple(a.loads.split(",")))
@@ -506,8 +507,8 @@ def main() -> int:
         if old.get("index", "local") != a.index and any(t in POLICIES and "index" in inspect.signature(
                 POLICIES[t]).parameters for _, t in reuse):
             raise SystemExit(f"--reuse {a.reuse}: another --index, and a reused target takes one (--rerun it)")
-    jobs = [(c, t, a.seconds, seeds, kw if t.startswith(("cost-model", "prefix-affinity", "kv-aware")) else None, a.jitter, a.index) for c in cs
-            for t in targets if (c.name, t) not in reuse]
+    jobs = [(c, t, a.seconds, seeds, kw if t.startswith(("cost-model", "prefix-affinity", "kv-aware")) else None,
+             a.jitter, a.index) for c in cs for t in targets if (c.name, t) not in reuse]
     t0 = time.time()
     done: dict[tuple[str, str], dict[str, Any]] = {}
     with ProcessPoolExecutor(a.jobs) if a.jobs > 1 else _Inline() as pool:

@@ -143,7 +143,8 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
         ax.plot(xs, [r[way]["stall_ms_p50"] for r in rows], marker="o", color=color, label=f"{way}: stall p50")
         ax.plot(xs, [r[way]["stall_ms_max"] for r in rows], marker="x", ls=":", color=color, label=f"{way}: stall max")
     ax.plot(xs, [r["on-loop"]["render_ms_p50"] for r in rows], ls="--", color="k", lw=0.8, label="render p50 (on-loop)")
-    return finish(fig, ax, "data-plane workers' files merged", "ms", "the loop's longest stall during a /metrics scrape")
+    return finish(fig, ax, "data-plane workers' files merged", "ms",
+                  "the loop's longest stall during a /metrics scrape")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,8 @@ def measure(seconds: float, events: int, label: str) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     lines = [f"# sustained_load {result['stamp']}", "", f"Machine: {result['machine']}", "",
-             "| code | seconds | events per answer | req/s | p50 ms | p99 ms | failed |", "|---|---|---|---|---|---|---|"]
+             "| code | seconds | events per answer | req/s | p50 ms | p99 ms | failed |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['code']} | {r['seconds']:g} | {r['events']} | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} | "
                      f"{r['failed']} |")

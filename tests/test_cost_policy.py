@@ -497,7 +497,8 @@ def _compiled_pass():
     """cost_policy's compiled pass, which these tests hold to the Python: it must be built."""
     from orchestrator.routing import cost_policy
 
-    assert cost_policy.NATIVE is not None, "orchestrator/routing/_cost_pass.c is not built (scripts/bootstrap builds it)"
+    assert cost_policy.NATIVE is not None, \
+        "orchestrator/routing/_cost_pass.c is not built (scripts/bootstrap builds it)"
     return cost_policy.NATIVE
 
 

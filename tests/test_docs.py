@@ -151,7 +151,8 @@ def test_operations_names_every_field_reload_refuses_or_applies_at_relaunch() ->
 def test_routing_names_every_policy() -> None:
     text = read(DOCS / "routing.md")
     for policy in LB_POLICIES:
-        assert re.search(rf"^\| `{re.escape(policy)}`", text, flags=re.M), f"policy {policy} missing from docs/routing.md"
+        assert re.search(rf"^\| `{re.escape(policy)}`", text, flags=re.M), \
+            f"policy {policy} missing from docs/routing.md"
 
 
 @pytest.mark.parametrize("readme", ["README.md", "bench/README.md", *(f"docs/{p.name}" for p in PAGES)])
@@ -175,4 +176,5 @@ def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
     tree = section(text, "## Folders")
     tree = tree[tree.index("orchestrator/"):tree.index("\nconfigs/")]  # the package's part
     named = set(re.findall(r"(?<![\w/.])(\w+\.py)\b", tree))
-    assert sorted(named - modules) == [], f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"
+    assert sorted(named - modules) == [], \
+        f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"

@@ -92,7 +92,8 @@ def openai_client(run) -> Loop:
     body = json.dumps({"model": "ensemble", "prompt": "an OpenAI call", "max_tokens": 4}).encode()
 
     def once() -> None:
-        req = urllib.request.Request(run.url("/v1/completions"), data=body, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(run.url("/v1/completions"), data=body,
+                                     headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert json.loads(resp.read())["choices"][0]["text"]
     return Loop(once)
@@ -281,8 +282,9 @@ def rank_of(mpirun_pid: int) -> psutil.Process:
 
 # While no daemon runs, only the data plane can see a hung instance: through its probes
 # (away_probe.py, on by default) and, where set, --first-byte-timeout-s (each request it took
-# is retried elsewhere and counts toward the workers' passive ejection). Round-robin sends the faulted instances their share (prefix-affinity kept this
-# load's one prompt on one instance, least-outstanding avoids one whose requests pile up).
+# is retried elsewhere and counts toward the workers' passive ejection). Round-robin sends the
+# faulted instances their share (prefix-affinity kept this load's one prompt on one instance,
+# least-outstanding avoids one whose requests pile up).
 AWAY_FLAGS = ("--proxy-workers", "2", "--lb-policy", "round-robin",
               "--probe-interval-s", "0.5", "--probe-timeout-s", "0.5", "--probe-failures", "3")
 AWAY_S = 12.0  # longer than a passive ejection (10 s): the hung instance is tried again

@@ -95,7 +95,8 @@ class Namespace:
                 kids = Path(f"/proc/{self.unshare.pid}/task/{self.unshare.pid}/children").read_text().split()
             except OSError:
                 break
-            self.pid1 = int(kids[0]) if kids and Path(f"/proc/{kids[0]}/exe").resolve() == Path(SYSTEMD).resolve() else None
+            self.pid1 = (int(kids[0]) if kids and Path(f"/proc/{kids[0]}/exe").resolve() == Path(SYSTEMD).resolve()
+                         else None)
 
     def sh(self, *argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         out = subprocess.run(["nsenter", "-t", str(self.pid1), "-m", "-p", "-u", *argv],
@@ -166,18 +167,21 @@ class Service:
         config = ns.work / "trtllm-orch.toml"
         config.write_text("\n".join([
             'gpus = "0-1"', "tp = 1", "assume_gpus = 2", f'model_repo = "{REPO / "demo" / "model_repo"}"',
-            f'tritonserver = "{tenv["TRITONSERVER"]}"', f'tritonserver_arg = ["--backend-directory={tenv["BACKEND_DIR"]}"]',
+            f'tritonserver = "{tenv["TRITONSERVER"]}"',
+            f'tritonserver_arg = ["--backend-directory={tenv["BACKEND_DIR"]}"]',
             f'mpirun = "{tenv["MPIRUN"]}"', f'state_dir = "{self.state_dir}"', f"base_port = {base}",
             f'listen = "127.0.0.1:{base + 24}"', f'grpc_listen = "127.0.0.1:{base + 25}"',
             f'metrics_listen = "127.0.0.1:{base + 26}"', 'proxy_workers = "2"', ""]))
-        self.env = {**os.environ, "PYTHONPATH": tenv.get("PYTHONPATH", ""), "LD_LIBRARY_PATH": tenv.get("LD_LIBRARY_PATH", ""),
+        self.env = {**os.environ, "PYTHONPATH": tenv.get("PYTHONPATH", ""),
+                    "LD_LIBRARY_PATH": tenv.get("LD_LIBRARY_PATH", ""),
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         env = [f"{k}={self.env[k]}" for k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")]
         ns.sh("env", *env, str(Path(sys.executable).parent / "trtllm-orch"), "install-service",
               "--config", str(config), "--unit-dir", "/etc/systemd/system")
         self.log = ns.work / "daemon.log"
         (ns.work / "nstest.conf").write_text(
-            f"[Unit]\nDefaultDependencies=no\n[Service]\nStandardOutput=append:{self.log}\nStandardError=inherit\n{drop_in}")
+            f"[Unit]\nDefaultDependencies=no\n[Service]\nStandardOutput=append:{self.log}\n"
+            f"StandardError=inherit\n{drop_in}")
         ns.sh("sh", "-c", f"mkdir -p /etc/systemd/system/trtllm-orch.service.d && "
               f"cp {ns.work / 'nstest.conf'} /etc/systemd/system/trtllm-orch.service.d/ && systemctl daemon-reload")
         ns.sh("systemctl", "start", "trtllm-orch.service", timeout=180)  # Type=notify: returns at READY=1
@@ -186,8 +190,8 @@ class Service:
         return f"http://127.0.0.1:{self.listen_port}{path}"
 
     def status(self) -> dict | None:
-        out = subprocess.run([sys.executable, "-m", "orchestrator", "status", "--state-dir", str(self.state_dir), "--json"],
-                             env=self.env, cwd=REPO, capture_output=True, text=True, timeout=30)
+        out = subprocess.run([sys.executable, "-m", "orchestrator", "status", "--state-dir", str(self.state_dir),
+                              "--json"], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=30)
         return json.loads(out.stdout) if out.returncode == 0 else None
 
     def prop(self, name: str) -> str:

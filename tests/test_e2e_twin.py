@@ -27,7 +27,8 @@ import pytest
 
 from tests.test_e2e_faults import Load, fault_case, get_code, mpirun_of, post, rank_proc, stubs_of
 from tests.test_demo_model import _body
-from tests.test_twin_on_tritonserver import _ensemble_inputs, _grpc_stream, _inputs, fill_template, tokens, ttft_at, twin_metrics
+from tests.test_twin_on_tritonserver import (_ensemble_inputs, _grpc_stream, _inputs, fill_template, tokens, ttft_at,
+                                             twin_metrics)
 
 pytestmark = pytest.mark.e2e
 
@@ -111,7 +112,8 @@ def test_nvidia_calls_on_the_non_streaming_repo(orch_run, repos, proxy):
     from tritonclient.utils import InferenceServerException
     run = start(orch_run, repos["plain"], proxy)
     http, grpc = endpoints(run)
-    clients = ((httpclient, httpclient.InferenceServerClient(http)), (grpcclient, grpcclient.InferenceServerClient(grpc)))
+    clients = ((httpclient, httpclient.InferenceServerClient(http)),
+               (grpcclient, grpcclient.InferenceServerClient(grpc)))
     for i in range(2):   # twice per protocol: the balancer spreads them over both instances
         prompt, n = f"Summarize the following news article {i}:", 12
         want = tokens.generate_text(prompt, n)

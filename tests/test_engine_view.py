@@ -18,7 +18,8 @@ def with_reuse(counter: float, reused: int, input_tokens: int, tokens_per_block:
     """A scrape plus the KV block size, the cumulative reused blocks and the input-token
     histogram's sum, as TRT-LLM (and the twin) export them."""
     return scrape(counter, kw.pop("active", 1), **kw) + f"""\
-nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="tokens_per",model="tensorrt_llm",version="1"}} {tokens_per_block}
+nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="tokens_per",model="tensorrt_llm",version="1"}} \
+{tokens_per_block}
 nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="reused",model="tensorrt_llm",version="1"}} {reused}
 nv_llm_input_token_len_bucket{{model="tensorrt_llm",response_metric_type="total_input_tokens",version="1",le="+Inf"}} 7
 nv_llm_input_token_len_count{{model="tensorrt_llm",response_metric_type="total_input_tokens",version="1"}} 7

@@ -217,7 +217,8 @@ async def test_embedded_proxy_records_llm_metrics():
     port = runner.addresses[0][1]
     backends = ReadyBackends()
     backends.publish((Backend("0", "127.0.0.1", port, 0, 0),))
-    proxy = EmbeddedProxy(Settings(listen="127.0.0.1:0", metrics_listen="", grpc_listen="", lb_policy="least-outstanding"), backends)
+    proxy = EmbeddedProxy(Settings(listen="127.0.0.1:0", metrics_listen="", grpc_listen="",
+                                   lb_policy="least-outstanding"), backends)
     await proxy.start()
     try:
         base = f"http://127.0.0.1:{proxy.bound_port}/v2/models/ensemble"

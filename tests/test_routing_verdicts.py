@@ -37,7 +37,8 @@ def test_a_default_alike_the_baselines_is_no_worse_and_its_interval_holds_one():
 def test_a_default_slower_on_every_seed_is_a_miss_beyond_the_noise():
     base = _seeds(random.Random(2), 1.0)
     slow = [[x * 1.5 for x in s] for s in base]
-    rows = [_row("prefix-affinity", slow), _row("least-outstanding", base), _row("nginx", _seeds(random.Random(3), 1.1))]
+    rows = [_row("prefix-affinity", slow), _row("least-outstanding", base),
+            _row("nginx", _seeds(random.Random(3), 1.1))]
     (v,) = rc.verdicts(rows, "prefix-affinity")
     assert not v["no_worse"] and v["ttft_p90_vs_best_ci90"][0] > 1.03 and v["beyond_noise"]
 
@@ -127,7 +128,8 @@ def test_a_cell_whose_target_and_baselines_one_run_judged_gets_that_runs_pooled_
     lo, hi = cell["ttft_p90_vs_best_ci90"]
     assert lo <= cell["ttft_p90_vs_best"] <= hi
     (seeds_only,) = routing_verdict.judge(rows, "prefix-affinity@4")["cells"]  # no run's verdict to reuse
-    assert seeds_only["interval"] == "seeds" and seeds_only["ttft_p90_vs_best_ci90"] != run_verdict["ttft_p90_vs_best_ci90"]
+    assert seeds_only["interval"] == "seeds" and \
+        seeds_only["ttft_p90_vs_best_ci90"] != run_verdict["ttft_p90_vs_best_ci90"]
     # the target rerun in a later file: its baselines are another run's, so the seeds' interval again
     rerun = _run(tmp_path, "rerun.json", [_written("prefix-affinity@4", lucky)], list(range(6)))
     rows, _, pooled = routing_verdict.merged_rows([path, rerun])

@@ -102,7 +102,8 @@ def test_a_late_timeout_is_our_loop_being_late_and_does_not_count():
 @pytest.mark.unit
 def test_no_silence_verdict_without_a_listener_or_with_zero():
     for m in (EngineMonitor(None, "", EngineView(), 0.1, 0, lambda r: None, 0.6, None),  # type: ignore[arg-type]
-              EngineMonitor(None, "", EngineView(), 0.1, 0, lambda r: None, 0.0, lambda r: None)):  # type: ignore[arg-type]
+              EngineMonitor(None, "", EngineView(), 0.1, 0, lambda r: None, 0.0,  # type: ignore[arg-type]
+                            lambda r: None)):
         m.last_answer = 0.0
         m.heard(1000.0, "timeout")
         assert not m.silent

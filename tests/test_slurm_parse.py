@@ -95,7 +95,8 @@ def test_node_verdicts_name_slurms_reason():
 
 def test_steps_and_probe_output():
     assert [s.step_id for s in parse_steps("3.3|trtllm-orch.ab.i0|node1\n3.4|x|node2\n\n")] == ["3.3", "3.4"]
-    probe = "node2 3: cl0    inet 10.213.0.12/24 brd 10.213.0.255 scope global cl0\nnode1 Device \"cl0\" does not exist.\n"
+    probe = ("node2 3: cl0    inet 10.213.0.12/24 brd 10.213.0.255 scope global cl0\n"
+             "node1 Device \"cl0\" does not exist.\n")
     assert parse_probe(probe) == {"node2": "10.213.0.12"}
 
 
@@ -138,7 +139,8 @@ def test_mpirun_inside_a_one_node_step():
 
 def test_pmix_step_runs_each_rank_by_its_procid():
     wide = InstancePlan("0", (0, 1, 0, 1), Ports(8000, 8001, 8002), "10.0.0.1", nodes=("n1", "n2"))
-    cmd = srun_pmix({"CUDA_VISIBLE_DEVICES": "0,1"}, [["ts", "--rank0"], ["ts", "--r1"], ["ts", "--r2"], ["ts", "--r3"]],
+    cmd = srun_pmix({"CUDA_VISIBLE_DEVICES": "0,1"},
+                    [["ts", "--rank0"], ["ts", "--r1"], ["ts", "--r2"], ["ts", "--r3"]],
                     wide, srun="srun", job_id="7", name="n", cpus=2)
     argv = list(cmd.argv)
     assert {"--mpi=pmix", "--ntasks=4", "--ntasks-per-node=2", "--nodes=2", "--nodelist=n1,n2"} <= set(argv)

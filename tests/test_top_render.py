@@ -114,7 +114,8 @@ def test_last_line_is_the_load_still_under_way_not_a_finished_model():
     done = glog.format("model_lifecycle.cc:839", "successfully loaded 'preprocessing'")
     assert last_meaningful([engine, done]) == "rank 0: [twin tensorrt_llm] loading engine: 15s"
     assert last_meaningful([done]) == "rank 0: successfully loaded 'preprocessing'"
-    assert last_meaningful([engine, done, glog.format("model_lifecycle.cc:839", "successfully loaded 'tensorrt_llm'")]) \
+    assert last_meaningful([engine, done,
+                            glog.format("model_lifecycle.cc:839", "successfully loaded 'tensorrt_llm'")]) \
         == "rank 0: [twin tensorrt_llm] loading engine: 15s"
 
 

@@ -38,7 +38,8 @@ class Server:
         self.log = Path(tmp) / "server.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [self.env["TRITONSERVER"], f"--model-repository={repo}", f"--backend-directory={self.env['BACKEND_DIR']}",
+                [self.env["TRITONSERVER"], f"--model-repository={repo}",
+                 f"--backend-directory={self.env['BACKEND_DIR']}",
                  *_loopback_args(http, grpc, metrics), "--disable-auto-complete-config"],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -169,7 +170,8 @@ def test_pipeline_by_hand_equals_ensemble(streaming):
               ("temperature", np.array([[1.0]], np.float32)), ("runtime_top_k", np.array([[1]], np.int32)),
               ("runtime_top_p", np.array([[0.0]], np.float32)),
               ("exclude_input_in_output", np.array([[True]], bool)), ("streaming", np.array([[False]], bool))]
-    (out,) = _grpc_stream(streaming.grpc, "tensorrt_llm", _inputs(grpcclient, trt_in), ["output_ids", "sequence_length"])
+    (out,) = _grpc_stream(streaming.grpc, "tensorrt_llm", _inputs(grpcclient, trt_in),
+                          ["output_ids", "sequence_length"])
     post = c.infer("postprocessing", _inputs(grpcclient, [("TOKENS_BATCH", out["output_ids"]),
                                                           ("SEQUENCE_LENGTH", out["sequence_length"])]))
     by_hand = post.as_numpy("OUTPUT").reshape(-1)[0].decode()
@@ -200,7 +202,8 @@ def test_plain_infer_on_non_streaming_repo(plain):
     assert r.as_numpy("text_output").reshape(-1)[0].decode() == want
     # Streaming needs decoupled mode, as in TRT-LLM.
     from tritonclient.utils import InferenceServerException
-    with pytest.raises(InferenceServerException, match="Streaming is only supported if model is deployed using decoupled mode"):
+    with pytest.raises(InferenceServerException,
+                       match="Streaming is only supported if model is deployed using decoupled mode"):
         httpclient.InferenceServerClient(plain.http[len("http://"):]).infer(
             "ensemble", _ensemble_inputs(httpclient, "x", 2, stream=True))
 

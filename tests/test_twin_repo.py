@@ -19,7 +19,8 @@ def test_committed_repo_is_the_filled_templates():
     values = fill_template.repo_values(streaming=True)
     for model in fill_template.MODELS:
         committed = (DEMO / "model_repo" / model / "config.pbtxt").read_text()
-        assert committed == fill_template.render(model, values), f"{model}: run demo/fill_template.py --repo demo/model_repo"
+        assert committed == fill_template.render(model, values), \
+            f"{model}: run demo/fill_template.py --repo demo/model_repo"
 
 
 def test_top_level_fields_are_always_filled():

@@ -218,7 +218,8 @@ class TritonPythonModel:
         if streaming and not s.decoupled:
             raise EngineError("Streaming is only supported if model is deployed using decoupled mode.")
         if batch > 1 and not s.decoupled:
-            raise EngineError("Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction policy")
+            raise EngineError("Batch size > 1 requires the tensorrt_llm backend to be using decoupled "
+                              "transaction policy")
         lengths = _input(request, "input_lengths").reshape(-1)
         out_len = _input(request, "request_output_len").reshape(-1)
         end_id = _scalar(request, "end_id")
