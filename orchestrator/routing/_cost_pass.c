@@ -6,8 +6,8 @@
    interpreted lines a candidate); here it is one pass over the candidates' attributes. It is
    the same pass: the same operations on the same doubles in the same order, so the same costs to
    the bit; an entry of a pending ledger that is due is dropped by the ledger's own `at` (Python),
-   and every case that is not the plain one (a count that is not an int, a value that is not a
-   number, a ledger's heap that is not a list) is left to the Python (None), so the Python keeps
+   and every case that is not the plain one (counts not in a dict, a count that is not an int, a
+   value that is not a number, a ledger's heap that is not a list) is left to the Python (None), so the Python keeps
    every rule and this module none of its own. tests/test_cost_policy.py holds both to the same
    answers on random states. */
 #define PY_SSIZE_T_CLEAN
@@ -39,11 +39,17 @@ static int layout_of(Layout *layout, PyTypeObject *type, int first, int last) {
     layout->type = (PyTypeObject *)Py_NewRef(type);
     for (int a = first; a <= last; a++) {
         layout->offset[a] = -1;
-        PyObject *descr = _PyType_Lookup(type, names[a]);  /* borrowed */
-        if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        /* the class's attribute: for a slot, its member descriptor */
+        PyObject *descr = PyObject_GetAttr((PyObject *)type, names[a]);
+        if (descr == NULL) {
+            PyErr_Clear();  /* not a class attribute: read through PyObject_GetAttr, which says why */
+            continue;
+        }
+        if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
             PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
             if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) layout->offset[a] = member->offset;
         }
+        Py_DECREF(descr);
     }
     return 0;
 }
@@ -120,8 +126,9 @@ done:
 
 PyDoc_STRVAR(price_doc,
 "price(cands, inflight, tokens, cached, least, others, now, calibrated) -> (fresh, priced) | None\n\n"
-"cost_policy._price, compiled: the same answer, or None where the Python must work it out (a count\n"
-"that is not an int, a value that is not a number).");
+"cost_policy._price, compiled: the same answer, or None where the Python must work it out (counts,\n"
+"cached tokens or the others' prefill not in a dict, a count that is not an int, a value that is\n"
+"not a number).");
 
 static PyObject *price(PyObject *self, PyObject *args) {
     PyObject *cands, *inflight, *cached, *others;
