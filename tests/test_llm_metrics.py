@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 
 import aiohttp
 import pytest
@@ -50,6 +51,31 @@ def test_bucket_percentiles_are_the_exact_nearest_rank_or_at_most_a_bucket_above
         truth = percentile(values, q)
         assert truth <= histogram_percentile(log_histogram(values), q) <= truth * HIST_RATIO
     assert 0.007 <= histogram_percentile(log_histogram([0.007]), 0.99) <= 0.007 * HIST_RATIO
+
+
+def test_a_values_bucket_is_the_least_whose_bound_holds_it():
+    """bucket_of (a bisection of the bounds up to 1.5e16 s, a log past them) against its
+    definition, the least i with v <= HIST_BASE_S * HIST_RATIO**i, on values at every bound, a hair
+    either side, random ones, below the first bound and past the table; and log_histogram's counts
+    against counting value by value."""
+    from collections import Counter
+
+    from orchestrator.dataplane.recent import HIST_BASE_S, bucket_of, log_histogram
+
+    def least(v: float) -> int:
+        i = 0
+        while HIST_BASE_S * HIST_RATIO ** i < v:
+            i += 1
+        return i
+
+    bounds = [HIST_BASE_S * HIST_RATIO ** i for i in range(1010)]
+    rng = random.Random(3)
+    values = [0.0, -1.0, HIST_BASE_S / 2] + bounds + [math.nextafter(b, 0.0) for b in bounds] + \
+        [math.nextafter(b, math.inf) for b in bounds] + [10 ** rng.uniform(-6, 17) for _ in range(3000)]
+    for v in values:
+        assert bucket_of(v) == least(v), v
+    values.sort()
+    assert log_histogram(values) == {str(i): n for i, n in Counter(least(v) for v in values).items()}
 
 
 def test_recent_window_rates_and_percentiles():
