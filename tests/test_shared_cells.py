@@ -115,6 +115,35 @@ def test_the_stamps_of_tied_instances_read_alike(tmp_path, monkeypatch, native, 
     assert any(read[0])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_workers_routed_blocks_and_requests_add_and_read_alike(tmp_path, monkeypatch, native, seed):
+    """A write log's every-worker totals (journal.WriteLog: `PendingLane.total_with`, the two
+    files read together, and `add_with`, a routing added to the worker's own cells first), compiled
+    and as the lanes' `add` and `total` each, on two copies of the files: the same floats to the bit
+    and the same bytes written, with rows in use that do and do not include the writer's row."""
+    rng = random.Random(seed)
+    rows = [1]
+    copies = []
+    for way in ("compiled", "python"):
+        files = [SharedPending.create(tmp_path / f"{name}-{way}") for name in ("blocks", "requests")]
+        copies.append((files, [(files[0].lane(w, lambda: rows[0]), files[1].lane(w, lambda: rows[0]))
+                               for w in range(8)]))
+    for _ in range(120):
+        rows[0] = rng.randrange(1, 9)
+        worker, iid = rng.randrange(0, 8), str(rng.randrange(0, 40))
+        amount = rng.choice([0.1, 1e9, -0.0, -7.3, 512.0, 1e-9, 1.5])
+        adding = rng.random() < 0.6
+        found = []
+        for (files, pairs), way in zip(copies, ("compiled", "python")):
+            monkeypatch.setattr(shared_cells, "NATIVE", native if way == "compiled" else None)
+            blocks, requests = pairs[worker]
+            found.append(blocks.add_with(requests, iid, amount, 1.0) if adding else blocks.total_with(requests, iid))
+        monkeypatch.setattr(shared_cells, "NATIVE", native)
+        assert repr(found[0]) == repr(found[1])
+    for k in range(2):
+        assert copies[0][0][k]._mm[:] == copies[1][0][k]._mm[:]
+
+
 def test_cells_beyond_the_buffer_or_of_no_kind_are_refused(native):
     mm = mmap.mmap(-1, 4096)
     assert native.column_sums(mm, 0, 1024, 4, 256, "i", -1) == [0] * 256  # the last cell ends at the buffer's end
@@ -133,6 +162,9 @@ def test_cells_beyond_the_buffer_or_of_no_kind_are_refused(native):
     with pytest.raises(IndexError):
         native.read_cells(mm, {"a": 512}, ["a"])
     assert native.read_cells(mm, {"a": 511}, ["b", "a"]) == [None, 0.0]
+    assert native.pair_sums(mm, mm, 8, 1024, 4) == (0.0, 0.0)  # the last row's cell within the buffer
+    with pytest.raises(IndexError):
+        native.pair_sums(mm, mmap.mmap(-1, 2048), 8, 1024, 4)
     assert native.put_cells(mm, 1, {"a": 510}, {"a": 3, "b": 4}) == ["b"]  # "b": no cell known, not written
     cells = memoryview(mm).cast("d")
     assert cells[511] == 3.0 and sum(cells) == 3.0

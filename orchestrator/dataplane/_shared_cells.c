@@ -7,8 +7,11 @@
    unpacks added lane by lane and a store or a look-up per instance: 2.8, 3.6 and 1.4 us at 16
    instances and 4 worker rows on the 2-core box, and 4.0 us for a tie of 16, where the default's
    whole decision took ~17 us. Here each is one pass over the cells (0.8, 1.4, 0.6 and 1.8 us
-   with the calls, the lists and the dicts). The callers own the files and their layouts and keep
-   the same operations in Python for an install that could not build this module;
+   with the calls, the lists and the dicts). A cost-model choice also reads, for each instance
+   holding the prompt's prefix and for the one chosen, every worker's routed blocks and requests
+   there (journal.WriteLog): two columns of two files, here one pass (`pair_sums`, which also adds
+   the worker's own routing first where asked). The callers own the files and their layouts and
+   keep the same operations in Python for an install that could not build this module;
    tests/test_shared_cells.py holds both to the same answers and bytes.
 
    Other processes write the same memory without locks: every read is a plain load of what is
@@ -185,10 +188,56 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(pair_sums_doc,
+"pair_sums(a, b, offset, stride, rows, own=-1, add_a=0.0, add_b=0.0) -> (float, float)\n\n"
+"The sums over rows r < rows of the float64 cell at offset + r * stride, in buffer `a` and in\n"
+"buffer `b` (two files of one layout: a worker's routed blocks and requests, read together per\n"
+"instance by each cost-model choice). With `own` >= 0 (the worker's row), add_a and add_b are\n"
+"first added to that row's cells (the worker's routing, then summed with the others: its row is\n"
+"among them where it is one of the rows in use). IndexError where a cell lies beyond either buffer.");
+
+static PyObject *pair_sums(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    Py_ssize_t offset, stride, rows, own = -1;
+    double add_a = 0.0, add_b = 0.0;
+    if (!PyArg_ParseTuple(args, "w*w*nnn|ndd", &a, &b, &offset, &stride, &rows, &own, &add_a, &add_b)) return NULL;
+    PyObject *out = NULL;
+    if (!in_bounds(&a, offset, stride, rows, 1, 8) || !in_bounds(&b, offset, stride, rows, 1, 8)
+        || (own >= 0
+            && (!in_bounds(&a, offset, stride, own + 1, 1, 8) || !in_bounds(&b, offset, stride, own + 1, 1, 8)))) {
+        PyErr_SetString(PyExc_IndexError, "cells beyond the buffer");
+        goto done;
+    }
+    unsigned char *base_a = (unsigned char *)a.buf + offset, *base_b = (unsigned char *)b.buf + offset;
+    if (own >= 0) {  /* a plain load and store of the worker's own cells, as the Python's += */
+        double v;
+        memcpy(&v, base_a + own * stride, 8);
+        v += add_a;
+        memcpy(base_a + own * stride, &v, 8);
+        memcpy(&v, base_b + own * stride, 8);
+        v += add_b;
+        memcpy(base_b + own * stride, &v, 8);
+    }
+    double sum_a = 0.0, sum_b = 0.0;  /* row order from 0, as Python's sum() of the column */
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        double v;
+        memcpy(&v, base_a + r * stride, 8);
+        sum_a += v;
+        memcpy(&v, base_b + r * stride, 8);
+        sum_b += v;
+    }
+    out = Py_BuildValue("(dd)", sum_a, sum_b);
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"column_sums", column_sums, METH_VARARGS, column_sums_doc},
     {"put_cells", put_cells, METH_VARARGS, put_cells_doc},
     {"read_cells", read_cells, METH_VARARGS, read_cells_doc},
+    {"pair_sums", pair_sums, METH_VARARGS, pair_sums_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -109,6 +109,31 @@ class PendingLane:
         col = self._own(instance_id) - self._worker * MAX_INSTANCES
         return sum(self._f64[col:col + self._rows() * MAX_INSTANCES:MAX_INSTANCES])
 
+    def total_with(self, other: "PendingLane", instance_id: str) -> tuple[float, float]:
+        """(`total`, other.total) of the instance, where `other` is a lane of a file of the same
+        layout and rows (a worker's routed blocks and requests, journal.WriteLog): one compiled
+        pass where built (16 instances, 4 rows, the 2-core box: 3.0 -> 0.8 us with the call)."""
+        native = shared_cells.NATIVE
+        if native is None:
+            return self.total(instance_id), other.total(instance_id)
+        return native.pair_sums(self._mm, other._mm, self._column(instance_id) << 3, _ROW_BYTES, self._rows())
+
+    def add_with(self, other: "PendingLane", instance_id: str, amount: float, other_amount: float
+                 ) -> tuple[float, float]:
+        """`add` amount here and other_amount to `other` (a lane of the same worker, as in
+        `total_with`), then `total_with`: a worker's routing noted in its write log, in one pass."""
+        native = shared_cells.NATIVE
+        if native is None or other._worker != self._worker:
+            self.add(instance_id, amount)
+            other.add(instance_id, other_amount)
+            return self.total_with(other, instance_id)
+        return native.pair_sums(self._mm, other._mm, self._column(instance_id) << 3, _ROW_BYTES, self._rows(),
+                                self._worker, amount, other_amount)
+
+    def _column(self, instance_id: str) -> int:
+        """The instance's cell in row 0 (its column's first)."""
+        return self._own(instance_id) - self._worker * MAX_INSTANCES
+
     def of(self, backends: Sequence[Any]) -> dict[str, float]:
         """instance id -> the prompt tokens the other workers routed there and did not see
         prefilled yet, for these instances (anything with an `instance_id`; ids the file has no

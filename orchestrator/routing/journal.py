@@ -41,6 +41,13 @@ class RoutedShare(Protocol):
 
     def total(self, instance_id: str) -> float: ...
 
+    def total_with(self, other: "RoutedShare", instance_id: str) -> tuple[float, float]:
+        """(this lane's `total`, `other`'s): the blocks and requests lanes read together."""
+
+    def add_with(self, other: "RoutedShare", instance_id: str, amount: float, other_amount: float
+                 ) -> tuple[float, float]:
+        """`add` to both lanes, then `total_with`."""
+
 
 class WriteLog:
     """What was routed to one instance, cumulative with when: requests, and prompt blocks they
@@ -89,14 +96,14 @@ class WriteLog:
         shared = self._shared
         if shared is None:
             return self.blocks, self.requests
-        return shared[0].total(self._iid), int(shared[1].total(self._iid))
+        blocks, requests = shared[0].total_with(shared[1], self._iid)
+        return blocks, int(requests)
 
     def add(self, at: float, blocks: float, horizon: float) -> None:
         shared = self._shared
         if shared is not None:
-            shared[0].add(self._iid, blocks)
-            shared[1].add(self._iid, 1.0)
-            self._note(at, *self._totals(), horizon)
+            total_blocks, total_requests = shared[0].add_with(shared[1], self._iid, blocks, 1.0)
+            self._note(at, total_blocks, int(total_requests), horizon)
         else:
             self._note(at, self.blocks + blocks, self.requests + 1, horizon)
 
@@ -131,36 +138,35 @@ class WriteLog:
         worker's first one here (a worker just started or reloaded), and counting it as beyond
         the log judged every such prefix evicted, so that worker sent its tenants elsewhere
         (cost-model's `miss` picks on the real twin, tests/test_cost_model.py)."""
-        if self._shared is not None:
-            return self._shared_since(t)
         at = self._at
+        shared = self._shared
+        if shared is not None:
+            # every worker's totals now less those at `t`, interpolated between the notes around
+            # it (before the first note, and nothing dropped: the first note's); in one function,
+            # as it runs for each instance holding a prompt's prefix at each cost-model choice
+            if not at:
+                return 0.0, 0
+            blocks, total_requests = shared[0].total_with(shared[1], self._iid)
+            requests = int(total_requests)
+            i = bisect_right(at, t)
+            if i == 0:
+                if self._trimmed:
+                    return math.inf, requests
+                then_b, then_r = self._blocks[0], self._requests[0]
+            elif i == len(at):
+                then_b, then_r = self._blocks[-1], self._requests[-1]
+            else:
+                t0, t1 = at[i - 1], at[i]
+                f = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+                then_b = self._blocks[i - 1] + f * (self._blocks[i] - self._blocks[i - 1])
+                then_r = self._requests[i - 1] + f * (self._requests[i] - self._requests[i - 1])
+            return max(0.0, blocks - then_b), max(0, int(requests - then_r))
         if not at or t >= at[-1]:
             return 0.0, 0
         i = bisect_right(at, t)
         if i == 0:
             return (math.inf if self._trimmed else self.blocks), self.requests
         return self.blocks - self._blocks[i - 1], self.requests - self._requests[i - 1]
-
-    def _shared_since(self, t: float) -> tuple[float, int]:
-        """Every worker's totals now less those at `t`, interpolated between the notes around it
-        (before the first note, and nothing dropped: the first note's)."""
-        at = self._at
-        if not at:
-            return 0.0, 0
-        blocks, requests = self._totals()
-        i = bisect_right(at, t)
-        if i == 0:
-            if self._trimmed:
-                return math.inf, requests
-            then_b, then_r = self._blocks[0], self._requests[0]
-        elif i == len(at):
-            then_b, then_r = self._blocks[-1], self._requests[-1]
-        else:
-            t0, t1 = at[i - 1], at[i]
-            f = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
-            then_b = self._blocks[i - 1] + f * (self._blocks[i] - self._blocks[i - 1])
-            then_r = self._requests[i - 1] + f * (self._requests[i] - self._requests[i - 1])
-        return max(0.0, blocks - then_b), max(0, int(requests - then_r))
 
 
 class Pending:
