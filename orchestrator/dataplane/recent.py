@@ -108,7 +108,7 @@ def histogram_percentile(counts: dict[str, int], q: float) -> float:
     for index, n in buckets:
         seen += n
         if seen >= rank:
-            return HIST_BASE_S * HIST_RATIO ** index
+            return _bound(index)
     raise ValueError("empty histogram")
 
 

@@ -106,7 +106,7 @@ class PendingLane:
 
     def total(self, instance_id: str) -> float:
         """What every worker in use added to the instance's cells, this one's included."""
-        col = self._own(instance_id) - self._worker * MAX_INSTANCES
+        col = self._column(instance_id)
         return sum(self._f64[col:col + self._rows() * MAX_INSTANCES:MAX_INSTANCES])
 
     def total_with(self, other: "PendingLane", instance_id: str) -> tuple[float, float]:

@@ -167,20 +167,15 @@ static PyObject *price(PyObject *self, PyObject *args) {
         PyObject *inst = PyList_GET_ITEM(cands, i);
         PyObject *iid = get(inst, &inst_layout, A_IID);
         if (iid == NULL) goto done;
-        long long n, foreign = 0, slots, got = 0;
+        long long n, foreign = 0, slots, got;
         double p, decode_s, wait_unit, queued, other = 0.0;
-        int has_cached = 0;
         ok = item_int(inflight, iid, &n);
         if (ok == 1 && fresh) ok = attr_int(inst, &inst_layout, A_FOREIGN, &foreign);
         if (ok == 1) ok = attr_float(inst, &inst_layout, A_PREFILL_S, &p);
         if (ok == 1) ok = attr_float(inst, &inst_layout, A_DECODE_S, &decode_s);
         if (ok == 1) ok = attr_int(inst, &inst_layout, A_SLOTS, &slots);
         if (ok == 1) ok = attr_float(inst, &inst_layout, A_WAIT_UNIT, &wait_unit);
-        if (ok == 1) {
-            PyObject *v = PyDict_GetItemWithError(cached, iid);
-            has_cached = v != NULL;
-            ok = v != NULL ? int_value(v, &got) : (PyErr_Occurred() ? -1 : 1);
-        }
+        if (ok == 1) ok = item_int(cached, iid, &got);  /* none cached there: 0, all of it to compute */
         if (ok == 1 && others != Py_None) {
             PyObject *v = PyDict_GetItemWithError(others, iid);
             ok = v != NULL ? float_value(v, &other) : (PyErr_Occurred() ? -1 : 1);
@@ -195,7 +190,7 @@ static PyObject *price(PyObject *self, PyObject *args) {
         }
         if (ok != 1) goto plain;
         n += foreign;
-        long long uncached = has_cached ? tokens - got : tokens;
+        long long uncached = tokens - got;
         if (others != Py_None) queued += other;
         double cost = p * (queued + (double)uncached) + decode_s;
         if (n >= slots) cost += (double)(n - slots + 1) * wait_unit;
