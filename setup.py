@@ -10,6 +10,8 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("orchestrator.dataplane._prefix_slots", ["orchestrator/dataplane/_prefix_slots.c"],
                              optional=True),
+                   Extension("orchestrator.dataplane._log_buckets", ["orchestrator/dataplane/_log_buckets.c"],
+                             optional=True),
                    Extension("orchestrator.dataplane._shared_cells", ["orchestrator/dataplane/_shared_cells.c"],
                              optional=True),
                    Extension("orchestrator.dataplane.front._front", ["orchestrator/dataplane/front/_front.c"],

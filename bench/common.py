@@ -189,6 +189,16 @@ def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
+def tree_name(tree: Path) -> str:
+    """What a baseline tree is: a checkout names its commit; an exported tree (git archive, carried
+    to the GPU machine) its folder (`git -C` there would name the enclosing repository's commit)."""
+    name = tree.resolve().name
+    if (tree / ".git").exists():
+        name = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip() or name
+    return name
+
+
 def machine() -> dict[str, Any]:
     try:
         load = os.getloadavg()

@@ -241,7 +241,7 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     # here, not at the top: run_in hands this file to an older tree, whose bench.common may lack these
-    from bench.common import bench_parser, machine, table, write_result_md
+    from bench.common import bench_parser, machine, table, tree_name, write_result_md
 
     ap = bench_parser(__doc__)
     ap.add_argument("--instances", default="2,4,8,16")
@@ -269,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_write:
         print(report)
         return 0
-    baseline = None
-    if a.baseline_tree is not None:
-        baseline = subprocess.run(["git", "-C", str(a.baseline_tree), "rev-parse", "--short", "HEAD"],
-                                  capture_output=True, text=True).stdout.strip() or str(a.baseline_tree)
+    baseline = tree_name(a.baseline_tree) if a.baseline_tree is not None else None
     write_result_md("decision_cost", {"bench": "decision_cost", "rows": rows, "baseline": baseline,
                                       "worker_rows": WORKER_ROWS, "rounds": ROUNDS, "decisions": DECISIONS,
                                       "machine": machine()}, plot, a.out,

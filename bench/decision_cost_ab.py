@@ -98,7 +98,7 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
-    from bench.common import bench_parser, machine, table, write_result_md
+    from bench.common import bench_parser, machine, table, tree_name, write_result_md
 
     ap = bench_parser(__doc__)
     ap.add_argument("--baseline-tree", type=Path, required=True, help="a checkout of an earlier commit")
@@ -120,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in one_round(trees, cores, a.instances, swap=bool(k % 2)):
             rows.append({**row, "round": k})
     summary = summarise(rows)
-    # A checkout names its commit; an exported tree (git archive, carried to the GPU machine) its
-    # folder: `git -C` there would name the enclosing repository's commit instead.
-    baseline = a.baseline_tree.resolve().name
-    if (a.baseline_tree / ".git").exists():
-        baseline = subprocess.run(["git", "-C", str(a.baseline_tree), "rev-parse", "--short", "HEAD"],
-                                  capture_output=True, text=True).stdout.strip() or baseline
+    baseline = tree_name(a.baseline_tree)
     report = table(summary, ["policy", "prompts", "rate", "before_median_us", "after_median_us", "after_over_before",
                              "before_min_us", "after_min_us", "before_hints_us", "after_hints_us"])
     write_result_md("decision_cost_ab", {"bench": "decision_cost_ab", "summary": summary, "rows": rows,

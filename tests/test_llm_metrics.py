@@ -74,8 +74,62 @@ def test_a_values_bucket_is_the_least_whose_bound_holds_it():
         [math.nextafter(b, math.inf) for b in bounds] + [10 ** rng.uniform(-6, 17) for _ in range(3000)]
     for v in values:
         assert bucket_of(v) == least(v), v
-    values.sort()
-    assert log_histogram(values) == {str(i): n for i, n in Counter(least(v) for v in values).items()}
+    rng.shuffle(values)
+    truth = {str(i): n for i, n in sorted(Counter(least(v) for v in values).items())}
+    assert list(log_histogram(values).items()) == list(truth.items())  # ascending, as the sums are read
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_log_histogram_counts_alike_compiled_or_not(monkeypatch, compiled):
+    """_log_buckets.counts and the Python's sort-and-bisect give the same buckets in the same
+    (ascending) order on unsorted values at every bound and a hair either side, random ones and
+    below the first bound; the compiled one answers them itself (None only where it hands over:
+    a value past the table, an int), and what it hands over is counted by the Python alike."""
+    from collections import Counter
+
+    from orchestrator.dataplane import recent
+
+    if compiled and recent._NATIVE is None:
+        pytest.skip("the compiled module is not built here")
+    if not compiled:
+        monkeypatch.setattr(recent, "_NATIVE", None)
+    rng = random.Random(5)
+    bounds = list(recent._BOUNDS)
+    inside = [0.0, -2.5, recent.HIST_BASE_S / 3] + bounds + [math.nextafter(b, 0.0) for b in bounds] + \
+        [math.nextafter(b, math.inf) for b in bounds[:-1]] + [10 ** rng.uniform(-6, 1) for _ in range(5000)]
+    rng.shuffle(inside)
+    if compiled:
+        assert recent._NATIVE.counts(list(inside), recent._BOUNDS, recent._KEYS) is not None
+        assert recent._NATIVE.counts([0.1, math.nextafter(bounds[-1], math.inf)], recent._BOUNDS, recent._KEYS) is None
+        assert recent._NATIVE.counts([0.1, 3], recent._BOUNDS, recent._KEYS) is None
+    for values in (inside, inside[:1], [], inside[:50] + [1e18, 7, 0.25]):
+        truth = Counter(recent.bucket_of(v) for v in values)
+        counted = recent.log_histogram(list(values))
+        assert list(counted.items()) == [(str(i), truth[i]) for i in sorted(truth)]
+
+
+def test_several_percentiles_read_at_once_are_each_read_alone():
+    """histogram_percentiles walks the buckets once for every q asked, in any order: each answer is
+    the nearest-rank bucket bound read on its own (the definition, written out here)."""
+    from orchestrator.dataplane.recent import _bound, histogram_percentiles, log_histogram
+
+    def alone(counts: dict[str, int], q: float) -> float:
+        buckets = sorted((int(k), n) for k, n in counts.items())
+        rank = max(1, math.ceil(q * sum(n for _, n in buckets) - 1e-9))
+        seen = 0
+        for index, n in buckets:
+            seen += n
+            if seen >= rank:
+                return _bound(index)
+        raise AssertionError("empty")
+
+    rng = random.Random(8)
+    for size in (1, 2, 3, 7, 100, 2000):
+        counts = log_histogram([rng.lognormvariate(-3, 1.5) for _ in range(size)])
+        qs = (0.99, 0.0, 0.5, 1.0, 0.5, 0.9, 0.01)
+        assert histogram_percentiles(counts, *qs) == [alone(counts, q) for q in qs]
+    with pytest.raises(ValueError):
+        histogram_percentiles({}, 0.5)
 
 
 def test_recent_window_rates_and_percentiles():
