@@ -295,19 +295,21 @@ def _names(headers) -> set[tuple[str, str]]:
 def test_the_instance_gets_the_request_headers_the_embedded_path_sends(front_built, echo, tmp_path):
     """Header hygiene toward the instance, held to headers.py's one definition: the hop-by-hop
     headers and those Connection names are gone, a client's forwarding headers are replaced by
-    the socket's (the peer is no trusted proxy), Host and Content-Length are the front's."""
-    body = '{"text_input": "hi", "max_tokens": 2}'
-    sent = [("Host", "public.example"), ("Connection", "keep-alive, X-Secret"), ("X-Secret", "1"),
-            ("Keep-Alive", "timeout=5"), ("TE", "trailers"), ("Proxy-Authorization", "Basic eA=="),
-            ("X-Forwarded-For", "6.6.6.6"), ("X-Real-IP", "6.6.6.6"), ("Forwarded", "for=6.6.6.6"),
-            ("X-Forwarded-Proto", "https"), ("X-Custom", "kept"), ("Content-Type", "application/json"),
-            ("Content-Length", str(len(body)))]
-    request = ("POST /v2/models/ensemble/generate HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in sent) +
-               "\r\n" + body).encode()
+    the socket's (the peer is no trusted proxy), Host and Content-Length are the front's (bodies
+    of one to five digits' length, and none)."""
     proc, port = start_front(front_built, [echo], tmp_path, loop="asyncio", extra=HANDOFF)
     try:
         with socket.create_connection(("127.0.0.1", port)) as s:
-            for _ in range(2):  # and again on the kept connection
+            short = '{"text_input": "hi", "max_tokens": 2}'
+            long = '{"text_input": "%s"}' % ("x" * 12000)
+            for body in (short, short, "", "7", long):  # the first again on the kept connection
+                sent = [("Host", "public.example"), ("Connection", "keep-alive, X-Secret"), ("X-Secret", "1"),
+                        ("Keep-Alive", "timeout=5"), ("TE", "trailers"), ("Proxy-Authorization", "Basic eA=="),
+                        ("X-Forwarded-For", "6.6.6.6"), ("X-Real-IP", "6.6.6.6"), ("Forwarded", "for=6.6.6.6"),
+                        ("X-Forwarded-Proto", "https"), ("X-Custom", "kept"), ("Content-Type", "application/json"),
+                        ("Content-Length", str(len(body)))]
+                request = ("POST /v2/models/ensemble/generate HTTP/1.1\r\n" +
+                           "".join(f"{k}: {v}\r\n" for k, v in sent) + "\r\n" + body).encode()
                 s.sendall(request)
                 status, _, answer = read_response(s)
                 assert status == 200

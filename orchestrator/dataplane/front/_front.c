@@ -1065,9 +1065,27 @@ static int forward_head(client_t *c, size_t head_len, const request_t *rq) {
             continue;
         if (fwd_put(c, h.line, h.line_len) < 0) return -1;
     }
-    int n = snprintf(line, sizeof line, "X-Forwarded-For: %s\r\nX-Forwarded-Proto: http\r\nContent-Length: %lld\r\n",
-                     c->peer, rq->clen);
-    if (fwd_put(c, line, (size_t)n) < 0) return -1;
+    /* Copied, not formatted: snprintf was 0.4% of a worker's samples (perf, tiny answers) */
+    static const char xff[] = "X-Forwarded-For: ", mid[] = "\r\nX-Forwarded-Proto: http\r\nContent-Length: ";
+    char digits[24];
+    size_t peer_len = strlen(c->peer), n_digits = 0;
+    unsigned long long clen = (unsigned long long)rq->clen;  /* >= 0: front_serves took no other */
+    do {
+        digits[sizeof digits - 1 - n_digits++] = (char)('0' + clen % 10);
+        clen /= 10;
+    } while (clen);
+    char *w = line;
+    memcpy(w, xff, sizeof xff - 1);
+    w += sizeof xff - 1;
+    memcpy(w, c->peer, peer_len);  /* < sizeof c->peer: the line has room (256) */
+    w += peer_len;
+    memcpy(w, mid, sizeof mid - 1);
+    w += sizeof mid - 1;
+    memcpy(w, digits + sizeof digits - n_digits, n_digits);
+    w += n_digits;
+    *w++ = '\r';
+    *w++ = '\n';
+    if (fwd_put(c, line, (size_t)(w - line)) < 0) return -1;
     if (rq->host_len && (fwd_put(c, "X-Forwarded-Host: ", 18) < 0 || fwd_put(c, rq->host, rq->host_len) < 0 ||
                          fwd_put(c, "\r\n", 2) < 0))
         return -1;
