@@ -836,6 +836,12 @@ def main(argv: list[str] | None = None) -> int:
               f"and any of {', '.join(DESIGNS)}", file=sys.stderr)
         return 2
     TARGETS = tuple((name, cls) for name, cls in TARGETS if name in chosen)
+    if any(name.startswith("embedded-front") for name in chosen):
+        from orchestrator.dataplane.front.compiled import NATIVE
+        if NATIVE is None:  # the workers would serve with aiohttp, and the rows would say front
+            print("dataplane_bench: the compiled front is not built here (python setup.py build_ext --inplace; "
+                  "TRTLLM_ORCH_PURE_PYTHON unset): embedded-front would measure aiohttp's path", file=sys.stderr)
+            return 2
     for tool in ("wrk", "nginx", "sse_source"):
         if shutil.which(tool) is None:
             print(f"dataplane_bench: {tool} not on PATH (../shared/tools/relay-kit packs it)", file=sys.stderr)
