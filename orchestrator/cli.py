@@ -326,6 +326,7 @@ def format_workers(pool: dict[str, Any], daemon_version: str = "") -> list[str]:
                      f"connections {w.get('connections', 0)}  in flight {w.get('inflight', 0)}  held "
                      f"{w.get('held', 0)}  requests {w.get('requests', 0)}"
                      + (f" ({w['front_served']} by the front)" if w.get("front_served") is not None else "")
+                     + (" (no compiled front: not built, aiohttp serves)" if w.get("front_missing") else "")
                      + f"  restarts {w.get('restarts', 0)}"
                      + (f"  last exit: {w['last_exit']}" if w.get("last_exit") else "")
                      + ("  (not the daemon's code: `reload --proxy-workers` replaces it)" if older else ""))

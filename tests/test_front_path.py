@@ -345,7 +345,9 @@ def test_status_says_how_many_requests_the_front_served():
                                                                                             "front_served": None}]}
     lines = format_workers(pool)
     assert "requests 30 (28 by the front)  restarts 0" in lines[1]
-    assert "requests 30  restarts 0" in lines[2]  # no front there: nothing said
+    assert "requests 30  restarts 0" in lines[2]  # no front there (--front aiohttp): nothing said
+    pool["workers"][1]["front_missing"] = True  # --front compiled, and the worker runs none
+    assert "requests 30 (no compiled front: not built, aiohttp serves)  restarts 0" in format_workers(pool)[2]
 
 
 async def test_a_request_whose_only_instance_dies_is_held_by_aiohttp_until_it_is_back():
