@@ -1069,7 +1069,8 @@ static int forward_head(client_t *c, size_t head_len, const request_t *rq) {
     static const char xff[] = "X-Forwarded-For: ", mid[] = "\r\nX-Forwarded-Proto: http\r\nContent-Length: ";
     char digits[24];
     size_t peer_len = strlen(c->peer), n_digits = 0;
-    unsigned long long clen = (unsigned long long)rq->clen;  /* >= 0: front_serves took no other */
+    /* none sent (-1: only without aiohttp to hand off to): the body read is none, as client_readable reads it */
+    unsigned long long clen = rq->clen < 0 ? 0 : (unsigned long long)rq->clen;
     do {
         digits[sizeof digits - 1 - n_digits++] = (char)('0' + clen % 10);
         clen /= 10;
