@@ -67,6 +67,15 @@ def test_top_and_status_show_the_data_plane_workers_total_and_each():
     text = format_status({**status, "instances": []})
     assert "data plane degraded  1/2 workers  connections 7  in flight 4  requests 90" in text
     assert "worker 1: pid -" in text and "last exit: killed by SIGKILL" in text
+    assert "no compiled front" not in text_of(render(status))
+
+
+def test_top_names_the_workers_that_run_no_compiled_front():
+    """--front compiled where the module is not built: aiohttp serves those workers' requests."""
+    workers = [POOL["workers"][0], {**POOL["workers"][0], "slot": 1, "front_missing": True}]
+    status = {**STATUS, "proxies": [{**POOL, "workers": workers}]}
+    line = next(ln for ln in text_of(render(status)).splitlines() if ln.startswith("workers"))
+    assert line.endswith("no compiled front: w1")
 
 
 def test_status_marks_a_worker_whose_code_is_not_the_daemons():
