@@ -29,6 +29,7 @@ from orchestrator.errors import OrchError
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import DEFAULT_COOLDOWN_S
 from tests.fakes import RecordingBackends
+from tests.harness import free_port_block
 from orchestrator.dataplane.grpc_proxy import GrpcProxy
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
@@ -195,13 +196,29 @@ def copy_python_backend(backends: Path) -> Path:
     return backends
 
 
+_HANDED: set[int] = set()  # the servers' ports handed out in this process
+
+
+def _server_ports() -> tuple[int, int, int]:
+    """Three ports no other server of this process was given, bind-tested below the ephemeral range.
+    Three bind(0) picks can repeat a port (the kernel hands a released one out again): one CI run's
+    servers got the same gRPC and metrics port and exited ("cannot listen to GRPC requests and
+    metrics requests at the same address"), failing 14 tests at setup."""
+    while True:
+        base = free_port_block(3)
+        ports = (base, base + 1, base + 2)
+        if not _HANDED.intersection(ports):
+            _HANDED.update(ports)
+            return ports
+
+
 class Triton:
     """One tritonserver process in its own process group (killed as a group)."""
 
     def __init__(self, name: str, setup: Setup, log: Path, reaper: "Reaper") -> None:
         self.name = name
         self.models = setup.models
-        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.http, self.grpc, self.metrics = _server_ports()
         env = dict(os.environ)
         for key, value in setup.env.items():
             env[key] = value + os.pathsep + env[key] if env.get(key) else value
