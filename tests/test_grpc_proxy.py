@@ -13,7 +13,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from orchestrator.errors import OrchError
 from orchestrator.routing.backends import Backend, ReadyBackends
 from orchestrator.routing.balancer import DEFAULT_COOLDOWN_S
 from tests.fakes import RecordingBackends
-from tests.harness import free_port_block
+from tests.harness import free_port, free_port_block
 from orchestrator.dataplane.grpc_proxy import GrpcProxy
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
@@ -130,12 +129,6 @@ class Reaper:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 REPO = Path(__file__).resolve().parent.parent

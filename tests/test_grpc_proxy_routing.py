@@ -6,7 +6,6 @@ In-process fakes on loopback: one raw-bytes gRPC server, and a port nobody liste
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import grpc.aio
@@ -16,16 +15,11 @@ from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend
 from orchestrator.dataplane.grpc_proxy import GrpcProxy
 from tests.fakes import RecordingBackends
+from tests.harness import free_port
 
 pytestmark = pytest.mark.unit
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Echo(grpc.GenericRpcHandler):

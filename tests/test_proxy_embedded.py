@@ -20,6 +20,7 @@ from orchestrator.config import Settings
 from orchestrator.errors import OrchError
 from orchestrator.routing.backends import Backend, ReadyBackends
 from tests.fakes import RecordingBackends
+from tests.harness import free_port
 from orchestrator.dataplane.embedded import EmbeddedProxy
 
 pytestmark = pytest.mark.unit
@@ -97,14 +98,6 @@ class RawUpstream:
 
 def backend(i: int, port: int) -> Backend:
     return Backend(str(i), "127.0.0.1", port, 1, 2)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class Harness:
