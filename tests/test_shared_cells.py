@@ -16,6 +16,7 @@ from orchestrator.dataplane.shared_pending import SharedPending
 from orchestrator.dataplane.shared_stamps import SharedStamps
 from orchestrator.dataplane.shared_table import MAX_INSTANCES, GlobalInflight, SharedTable
 from orchestrator.routing.backends import Backend
+from orchestrator.routing.journal import WriteLog
 
 pytestmark = pytest.mark.unit
 
@@ -142,6 +143,52 @@ def test_the_workers_routed_blocks_and_requests_add_and_read_alike(tmp_path, mon
         assert repr(found[0]) == repr(found[1])
     for k in range(2):
         assert copies[0][0][k]._mm[:] == copies[1][0][k]._mm[:]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_write_logs_routed_since_a_time_reads_alike(tmp_path, monkeypatch, native, seed):
+    """journal.WriteLog.since over every worker's totals (`PendingLane.since_with`, compiled, and the
+    log's own Python over `total_with`): the same floats and ints, compared by repr, at times
+    before, on, between and after its notes, with notes at equal times, dropped notes (a trimmed
+    log, its arrays cut and not) and other workers routing in between."""
+    rng = random.Random(seed)
+    files = [SharedPending.create(tmp_path / name) for name in ("blocks", "requests")]
+    rows = 4
+    lanes = [(files[0].lane(w, lambda: rows), files[1].lane(w, lambda: rows)) for w in range(rows)]
+    logs = [WriteLog(lanes[0], str(i)) for i in range(2)]
+    clock, horizon = 100.0, 40.0 if seed % 2 else 1e9
+    asked = cuts = 0
+    for step in range(2000):
+        log = logs[rng.randrange(2)]
+        if rng.random() < 0.5:
+            clock += rng.choice([0.0, 0.001, 0.37, 2.0])  # 0.0: notes at the same time
+            before = log._start
+            log.add(clock, rng.choice([0.0, 0.5, 3.0, 17.25]), horizon)
+            cuts += log._start < before
+        else:  # another worker routes there: the totals move between this worker's notes
+            lanes[rng.randrange(1, rows)][0].add_with(lanes[0][1], log._iid, rng.choice([1.0, 9.5]), 1.0)
+        if log._at and rng.random() < 0.5:
+            first, last = log._at[log._start], log._at[-1]
+            t = rng.choice([first - 1.0, first, last, last + 1.0, rng.uniform(first, last),
+                            log._at[rng.randrange(log._start, len(log._at))]])
+            found = both(monkeypatch, native, lambda: log.since(t))
+            assert repr(found[0]) == repr(found[1]), (step, t)
+            asked += 1
+    assert asked > 400
+    if horizon < 1e3:  # a short horizon drops notes: before them it cannot tell, compiled as not
+        assert all(log._trimmed for log in logs) and cuts >= 2
+        early = both(monkeypatch, native, lambda: logs[0].since(0.0))
+        assert early[0] == early[1] and early[0][0] == float("inf")
+
+
+def test_a_write_log_cuts_what_it_dropped():
+    """Notes beyond the horizon are dropped: the log keeps the last few (memory stays bounded),
+    and what it tells since a time within them is unchanged by the cut."""
+    log = WriteLog()
+    for k in range(5000):
+        log.add(float(k), 1.0, horizon=100)
+    assert len(log._at) - log._start <= 103 and len(log._at) <= 2 * 256 + 103
+    assert log.since(4949.5) == (50.0, 50)
 
 
 def test_cells_beyond_the_buffer_or_of_no_kind_are_refused(native):

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from bisect import bisect_right
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -44,9 +45,18 @@ class RoutedShare(Protocol):
     def total_with(self, other: "RoutedShare", instance_id: str) -> tuple[float, float]:
         """(this lane's `total`, `other`'s): the blocks and requests lanes read together."""
 
+    def since_with(self, other: "RoutedShare", instance_id: str, at: "array[float]", blocks: "array[float]",
+                   requests: "array[int]", start: int, trimmed: bool, t: float) -> tuple[float, int] | None:
+        """WriteLog.since over these totals and notes, compiled; None: the Python's to work out."""
+
     def add_with(self, other: "RoutedShare", instance_id: str, amount: float, other_amount: float
                  ) -> tuple[float, float]:
         """`add` to both lanes, then `total_with`."""
+
+
+# A write log's dropped notes are cut from its arrays once there are this many and they are half of
+# them: a cut moves what is left, so each note is moved about once (memory only: not a tuning).
+_CUT_AFTER = 256
 
 
 class WriteLog:
@@ -62,15 +72,20 @@ class WriteLog:
     and kept sending tenants to caches that had lost them: routing_sim, s8/room4/uniform/r1 with
     4 workers TTFT p90 4963 ms with logs of their own, 694 ms sharing them (one worker: 631)."""
 
-    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests", "_seen", "_trimmed", "_shared", "_iid")
+    __slots__ = ("blocks", "requests", "_at", "_blocks", "_requests", "_start", "_seen", "_trimmed", "_shared",
+                 "_iid")
 
     def __init__(self, shared: "tuple[RoutedShare, RoutedShare] | None" = None, instance_id: str = "") -> None:
         self.blocks = 0.0  # cumulative: this worker's, or every worker's with `shared` (as last noted)
         self.requests = 0
         self._trimmed = False  # entries dropped beyond the horizon: before them, unknown
-        self._at: deque[float] = deque()
-        self._blocks: deque[float] = deque()
-        self._requests: deque[int] = deque()
+        # The notes: when, and the totals then; entries before `_start` are dropped (moved past,
+        # the arrays cut when that is half of them). Arrays, not deques: `since` bisects them, and
+        # a deque's item away from its ends is a walk; the compiled `since_with` reads them whole.
+        self._at = array("d")
+        self._blocks = array("d")
+        self._requests = array("q")
+        self._start = 0
         # chunk key -> when it was last routed here; as many keys as a PrefixIndex holds
         self._seen: OrderedDict[bytes, float] = OrderedDict()
         self._shared = shared
@@ -123,11 +138,15 @@ class WriteLog:
         self._requests.append(requests)
         # Entries a whole `horizon` of blocks back (two caches) are not needed: what was routed
         # before them is evicted whatever else happened.
-        while len(self._at) > 2 and blocks - self._blocks[1] > horizon:
-            self._at.popleft()
-            self._blocks.popleft()
-            self._requests.popleft()
+        start = self._start
+        end = len(self._at)
+        while end - start > 2 and blocks - self._blocks[start + 1] > horizon:
+            start += 1
             self._trimmed = True
+        if start >= _CUT_AFTER and 2 * start >= end:
+            del self._at[:start], self._blocks[:start], self._requests[:start]
+            start = 0
+        self._start = start
 
     def since(self, t: float) -> tuple[float, int]:
         """(blocks, requests) routed after monotonic time `t`; (inf, ...) beyond the log.
@@ -139,20 +158,28 @@ class WriteLog:
         the log judged every such prefix evicted, so that worker sent its tenants elsewhere
         (cost-model's `miss` picks on the real twin, tests/test_cost_model.py)."""
         at = self._at
+        start = self._start
         shared = self._shared
         if shared is not None:
-            # every worker's totals now less those at `t`, interpolated between the notes around
-            # it (before the first note, and nothing dropped: the first note's); in one function,
-            # as it runs for each instance holding a prompt's prefix at each cost-model choice
-            if not at:
+            if len(at) == start:
                 return 0.0, 0
+            # compiled where built: the same rule in one call, as it runs for each instance
+            # holding a prompt's prefix at each cost-model choice (bench/decision_cost.py's
+            # cost-model at 16 instances, tenant prompts, the 2-core box: 4.8 us a call here, 2.4
+            # with it; tests/test_shared_cells.py holds the two to the same answers)
+            found = shared[0].since_with(shared[1], self._iid, at, self._blocks, self._requests, start,
+                                         self._trimmed, t)
+            if found is not None:
+                return found
+            # every worker's totals now less those at `t`, interpolated between the notes around
+            # it (before the first note, and nothing dropped: the first note's)
             blocks, total_requests = shared[0].total_with(shared[1], self._iid)
             requests = int(total_requests)
-            i = bisect_right(at, t)
-            if i == 0:
+            i = bisect_right(at, t, start)
+            if i == start:
                 if self._trimmed:
                     return math.inf, requests
-                then_b, then_r = self._blocks[0], self._requests[0]
+                then_b, then_r = self._blocks[start], self._requests[start]
             elif i == len(at):
                 then_b, then_r = self._blocks[-1], self._requests[-1]
             else:
@@ -161,10 +188,10 @@ class WriteLog:
                 then_b = self._blocks[i - 1] + f * (self._blocks[i] - self._blocks[i - 1])
                 then_r = self._requests[i - 1] + f * (self._requests[i] - self._requests[i - 1])
             return max(0.0, blocks - then_b), max(0, int(requests - then_r))
-        if not at or t >= at[-1]:
+        if len(at) == start or t >= at[-1]:
             return 0.0, 0
-        i = bisect_right(at, t)
-        if i == 0:
+        i = bisect_right(at, t, start)
+        if i == start:
             return (math.inf if self._trimmed else self.blocks), self.requests
         return self.blocks - self._blocks[i - 1], self.requests - self._requests[i - 1]
 
