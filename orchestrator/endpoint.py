@@ -40,4 +40,11 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     # The embedded proxy runs in worker processes beside the daemon (the data plane):
     # the daemon's own crash, GC pause or upgrade touches no client connection.
     from orchestrator.controlplane.workers import WorkerPool
+    if settings.front == "compiled":
+        # Said here too: each worker says it in its own log, which `up` does not print, and the
+        # workers then serve small answers at a fraction of the rate.
+        from orchestrator import native
+        from orchestrator.dataplane.front import MODULE, NOT_BUILT
+        if native.load(MODULE) is None:
+            logger.warning(NOT_BUILT)
     return [WorkerPool(settings, backends, state_dir, logger, on_change=on_change, adopt=adopt or [])]

@@ -411,3 +411,22 @@ def test_a_batchs_inter_token_counts_are_added_bucket_by_bucket_at_the_fold():
     seen = Seen()
     ledger.fold(seen, None, 0.0)
     assert seen.itl == {("0", "generate_stream"): (1.625, [5, 3, 3]), ("1", "generate_stream"): (0.25, [0, 1, 0])}
+
+
+@pytest.mark.parametrize("front, pure, warned", [("compiled", "1", True), ("compiled", "0", False),
+                                                 ("aiohttp", "1", False)])
+def test_the_daemon_says_at_start_that_the_compiled_front_is_not_built(tmp_path, monkeypatch, caplog, front, pure,
+                                                                       warned):
+    """--front compiled with the module not built (here: TRTLLM_ORCH_PURE_PYTHON=1 leaves it out, as
+    a missing build does): the daemon's own log says so once as the data plane is made, not only
+    each worker's log, which `up` does not print."""
+    import logging
+
+    from orchestrator.dataplane.front import NOT_BUILT
+    from orchestrator.endpoint import make_proxies
+    monkeypatch.setenv("TRTLLM_ORCH_PURE_PYTHON", pure)
+    with caplog.at_level(logging.WARNING, logger="trtllm-orch.proxy"):
+        proxies = make_proxies(Settings(front=front), ReadyBackends(), tmp_path)
+    assert [type(p).__name__ for p in proxies] == ["WorkerPool"]
+    said = [r.getMessage() for r in caplog.records if r.getMessage() == NOT_BUILT]
+    assert len(said) == (1 if warned else 0)

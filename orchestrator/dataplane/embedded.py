@@ -275,10 +275,10 @@ class EmbeddedProxy:
         is built (else aiohttp serves every request, with a warning)."""
         if self._settings.front != "compiled" or self._openai_only:
             return None
+        from orchestrator.dataplane.front import NOT_BUILT
         from orchestrator.dataplane.front.compiled import NATIVE, Front
         if NATIVE is None:
-            self._log.warning("--front compiled: the compiled front is not built here (no C compiler when "
-                              "setup.py ran); aiohttp serves every request")
+            self._log.warning(NOT_BUILT)
             return None
         self._front = Front(self, server, self._log)
         self._front.start(self._settings, self._limits, CLIENT_KEEPALIVE_S)

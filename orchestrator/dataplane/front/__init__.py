@@ -8,3 +8,10 @@ answers from client_guard.py), adopts the connections the acceptor takes, stops 
 answers its per-request callbacks with the embedded path's rules (surface, hold, pick, retries,
 passive health, metrics). bench/_compiled_front.py runs the bare relay for dataplane_bench.
 """
+
+# The compiled relay (setup.py builds it where a C compiler is; native.load finds it or not).
+MODULE = "orchestrator.dataplane.front._front"
+# What a worker (and the daemon, once at start) says where --front compiled finds it not built.
+NOT_BUILT = ("--front compiled: the compiled front is not built here (no C compiler when setup.py ran, or "
+             "TRTLLM_ORCH_PURE_PYTHON=1); aiohttp serves every request, about a fifth of the rate on small "
+             "answers (`pip install .` or `python setup.py build_ext --inplace` builds it)")

@@ -20,10 +20,11 @@ from typing import Any
 
 from orchestrator import native
 from orchestrator.dataplane.client_guard import ClientLimits, body_timeout_answer, head_timeout_answer
+from orchestrator.dataplane.front import MODULE
 from orchestrator.dataplane.headers import RESPONSE_DROP, UNTRUSTED_REQUEST_DROP, TrustedPeers
 from orchestrator.dataplane.metrics import ITL_BUCKETS
 
-NATIVE = native.load("orchestrator.dataplane.front._front")
+NATIVE = native.load(MODULE)
 
 # The native routes the front serves itself (POST /v2/models/...<suffix>): the generations. Every
 # other request's connection is handed to aiohttp, which applies the surface's rules to it.
