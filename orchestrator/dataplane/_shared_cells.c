@@ -308,7 +308,7 @@ static PyObject *routed_since(PyObject *self, PyObject *args) {
         if (t < ts[mid]) hi = mid;
         else lo = mid + 1;
     }
-    double then_b, left_b;
+    double then_b;
     long long left_r;
     if (lo == start || lo == n) {
         if (lo == start && trimmed) {
@@ -318,7 +318,6 @@ static PyObject *routed_since(PyObject *self, PyObject *args) {
         Py_ssize_t k = lo == start ? start : n - 1;
         then_b = bs[k];
         left_r = requests - (long long)rs[k];  /* ints: exact, as the Python's */
-        left_b = sum_a - then_b;
     } else {
         double t0 = ts[lo - 1], t1 = ts[lo];
         double f = t1 > t0 ? (t - t0) / (t1 - t0) : 1.0;
@@ -327,8 +326,8 @@ static PyObject *routed_since(PyObject *self, PyObject *args) {
         double left = (double)requests - then_r;
         if (!(left > -9.2e18 && left < 9.2e18)) goto plain;
         left_r = (long long)left;  /* int(): toward zero */
-        left_b = sum_a - then_b;
     }
+    double left_b = sum_a - then_b;
     out = Py_BuildValue("(dL)", left_b > 0.0 ? left_b : 0.0, left_r > 0 ? left_r : 0LL);
     goto done;
 plain:
