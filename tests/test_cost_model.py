@@ -52,6 +52,36 @@ def test_grid_is_about_four_percent():
     assert abs(on_grid(1.02) - 1.0) < 1e-9 and on_grid(1.04) > 1.0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_ratio_that_stays_on_its_grid_step_is_not_worked_out_again_and_reads_the_same(seed):
+    """The engines' ratio skips the grid's arithmetic while it stays inside its step: after every
+    prompt and engine report, value and source as worked out from scratch (on_grid of the raw
+    ratio), through steps crossed up and down and ratios a hair from a step's bound."""
+    rng = random.Random(seed)
+    r = TokenRatio()
+    skipped = 0
+    for k in range(3000):
+        if rng.random() < 0.05:
+            r.engine(d_tokens=rng.uniform(50, 5000), d_finished=rng.choice((1, 2, 5)))
+        else:
+            # prompt lengths drifting by a few percent between phases: steps crossed both ways
+            r.prompt(max(1, int(rng.gauss(1000 * (1.0 + 0.08 * math.sin(k / 300)), 60))))
+        if r._engine_n < 1:
+            assert r.source == "prior"
+            continue
+        raw = (r._engine_sum / r._engine_n) / (r.prompts.chars / r.prompts.n)
+        assert r.source == "engine" and r.value == on_grid(raw), k
+        skipped += r._lo < raw < r._hi
+    assert skipped > 2000  # the skip is what runs: not a test of the slow path alone
+    # a step's bounds: just inside keeps the step, at them the arithmetic decides
+    step_value = r.value
+    for raw in (r._lo, r._hi, math.nextafter(r._lo, 0.0), math.nextafter(r._hi, math.inf)):
+        r._set(raw, "engine")
+        assert r.value == on_grid(raw)
+    r._set(step_value, "engine")
+    assert r._lo < step_value < r._hi
+
+
 # --- fits ----------------------------------------------------------------------------------
 def test_fit_recovers_slopes_and_says_none_without_variance():
     fit = _Fit3()

@@ -91,6 +91,7 @@ class PendingLane:
         self._worker = worker
         self._rows = rows
         self._cells: dict[str, int] = {}  # instance id -> its cell in this worker's row
+        self._offsets: dict[str, int] = {}  # instance id -> the byte offset of its column's first cell
         self._of: Sequence[Any] | None = None  # the ready set `of` last read, and its span
         self._span: tuple[int, int, list[str | None], struct.Struct] = (0, 0, [], struct.Struct("="))
 
@@ -116,7 +117,8 @@ class PendingLane:
         native = shared_cells.NATIVE
         if native is None:
             return self.total(instance_id), other.total(instance_id)
-        return native.pair_sums(self._mm, other._mm, self._column(instance_id) << 3, _ROW_BYTES, self._rows())
+        offset = self._offsets.get(instance_id) or self._offset(instance_id)
+        return native.pair_sums(self._mm, other._mm, offset, _ROW_BYTES, self._rows())
 
     def since_with(self, other: "PendingLane", instance_id: str, at: Any, blocks: Any, requests: Any, start: int,
                    trimmed: bool, t: float) -> tuple[float, int] | None:
@@ -127,8 +129,9 @@ class PendingLane:
         native = shared_cells.NATIVE
         if native is None:
             return None
-        return native.routed_since(self._mm, other._mm, self._column(instance_id) << 3, _ROW_BYTES, self._rows(),
-                                   at, blocks, requests, start, trimmed, t)
+        offset = self._offsets.get(instance_id) or self._offset(instance_id)
+        return native.routed_since(self._mm, other._mm, offset, _ROW_BYTES, self._rows(), at, blocks, requests, start,
+                                   trimmed, t)
 
     def add_with(self, other: "PendingLane", instance_id: str, amount: float, other_amount: float
                  ) -> tuple[float, float]:
@@ -139,8 +142,15 @@ class PendingLane:
             self.add(instance_id, amount)
             other.add(instance_id, other_amount)
             return self.total_with(other, instance_id)
-        return native.pair_sums(self._mm, other._mm, self._column(instance_id) << 3, _ROW_BYTES, self._rows(),
-                                self._worker, amount, other_amount)
+        offset = self._offsets.get(instance_id) or self._offset(instance_id)
+        return native.pair_sums(self._mm, other._mm, offset, _ROW_BYTES, self._rows(), self._worker, amount,
+                                other_amount)
+
+    def _offset(self, instance_id: str) -> int:
+        """The byte offset of the instance's column (never 0: the header comes first), kept: the
+        compiled passes are asked for it a few times a choice."""
+        offset = self._offsets[instance_id] = self._column(instance_id) << 3
+        return offset
 
     def _column(self, instance_id: str) -> int:
         """The instance's cell in row 0 (its column's first)."""

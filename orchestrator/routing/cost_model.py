@@ -63,7 +63,10 @@ FORGET_FIT = 0.998
 # Output tokens per request before any request finished, or where the version exports no output
 # histogram: a chat answer's order of magnitude. Only the queueing term uses it.
 PRIOR_OUT_TOKENS = 64.0
-GRID = 16  # steps per octave for learnt rates
+# Steps per octave (about 4%) of what is learnt: the rates, the estimates' error and the token
+# ratio (tokens.py). Every data-plane worker learns from a slightly different sample, and on the
+# grid they agree (a decision must not depend on which worker took the request).
+GRID = 16
 # The prefill slope is used once it is this many standard errors above zero (about 95% one-sided):
 # a slope fitted from the first few noisy spans can come out near zero (a cached prefix would
 # then look worthless and the first seconds' tenants be split for good) or several times too
@@ -72,8 +75,17 @@ GRID = 16  # steps per octave for learnt rates
 SIGNIFICANCE = 2.0
 
 
+def grid_step(x: float) -> int:
+    """The grid step nearest to x > 0 (on_grid(x) is at_step of it)."""
+    return round(math.log2(x) * GRID)
+
+
+def at_step(step: float) -> float:
+    return 2.0 ** (step / GRID)
+
+
 def on_grid(x: float) -> float:
-    return 2.0 ** (round(math.log2(x) * GRID) / GRID) if x > 0 else 0.0
+    return at_step(grid_step(x)) if x > 0 else 0.0
 
 
 class _Fit3:

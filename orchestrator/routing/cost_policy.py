@@ -361,6 +361,7 @@ class CostModel:
         tokens = int(hints.prompt_chars * ratio) if hints is not None else 0
         keys = hints.prompt_keys if hints is not None else ()
         cached: dict[str, int] = {}
+        best_cached = 0  # the most tokens cached at one instance
         top = 0  # the most chunks matched where any is counted as cached (keys[top - 1]: the rent's key)
         if keys:
             if self._recency is not None:
@@ -371,11 +372,12 @@ class CostModel:
                     inst = insts.get(iid)
                     # None (another worker routed it): what the index holds counts as cached
                     depth[iid] = (d, inst.log.last(keys[d - 1]) if inst is not None else None)
+            chunk_chars, at_most = self.chunk_chars, max(0, tokens - 1)  # one token is always computed
             for iid, (d, last) in depth.items():
                 inst = insts.get(iid)
                 if inst is None:
                     continue
-                matched = min(int(d * self.chunk_chars * ratio), max(0, tokens - 1))
+                matched = min(int(d * chunk_chars * ratio), at_most)
                 if inst.block:
                     blocks = matched // inst.block
                     if last is not None and inst.kv_blocks:
@@ -390,7 +392,8 @@ class CostModel:
                     cached[iid] = matched
                     if d > top:
                         top = d
-        best_cached = max(cached.values(), default=0)
+                    if matched > best_cached:
+                        best_cached = matched
         least = tokens - best_cached  # what the best-cached instance would compute
         # the other workers' pending prefill (None: not shared, or none there); seconds are priced with it
         others = (self.journal.others(ready) or None) if calibrated else None

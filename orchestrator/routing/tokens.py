@@ -12,15 +12,16 @@ milliseconds for long ones, so it uses a ratio, tokens per character, learnt fro
   (sum over count: mean prompt tokens per finished request, all instances together)
   over the mean length in characters of the prompts routed with a known prompt.
 
-The ratio is kept on a grid of 1/16 octave (about 4%): every data-plane worker learns
-it from a slightly different sample of prompts, and on the grid they agree (a decision
-must not depend on which worker took the request).
+The ratio is kept on the rates' grid (cost_model.GRID: 1/16 octave, about 4%): every
+data-plane worker learns it from a slightly different sample of prompts, and on the grid
+they agree (a decision must not depend on which worker took the request).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+
+from orchestrator.routing.cost_model import at_step, grid_step
 
 # Before anything was learnt: English text through a BPE tokenizer is about 4 characters
 # per token. Replaced by the first calibration (the first finished requests), so it only
@@ -28,12 +29,10 @@ from collections.abc import Callable
 PRIOR_TOKENS_PER_CHAR = 0.25
 SAMPLE_EVERY = 64  # tokenizer path: one prompt in 64 pays for its tokenization...
 SAMPLES = 256  # ...until this many were (the ratio of a model's traffic does not drift)
-GRID = 16  # steps per octave
 KEEP = 1.0 - 1.0 / 4096  # the means forget over a few thousand requests
-
-
-def on_grid(ratio: float) -> float:
-    return 2.0 ** (round(math.log2(ratio) * GRID) / GRID)
+# A ratio this much inside its grid step's bounds (relatively) is on that step for sure: log2's
+# rounding error is about 1e-16 of it. Only a margin for the arithmetic, not a tuning.
+_INSIDE = 1e-9
 
 
 class PromptStats:
@@ -56,7 +55,7 @@ class TokenRatio:
     """Tokens per prompt character; `value` is on the grid."""
 
     __slots__ = ("value", "source", "_count", "_seen", "_tok_sum", "_char_sum", "prompts", "_engine_n",
-                 "_engine_sum")
+                 "_engine_sum", "_lo", "_hi")
 
     def __init__(self, count: Callable[[str], int] | None = None, prompts: "PromptStats | None" = None) -> None:
         self.value = PRIOR_TOKENS_PER_CHAR
@@ -71,6 +70,9 @@ class TokenRatio:
         self.prompts = prompts if prompts is not None else PromptStats()
         self._engine_n = 0.0
         self._engine_sum = 0.0
+        # the engines' ratio's grid step, inside its bounds (none yet): a ratio strictly between
+        # them leaves the value as it is
+        self._lo = self._hi = 0.0
 
     def tokens(self, chars: int) -> int:
         return int(chars * self.value)
@@ -105,9 +107,21 @@ class TokenRatio:
         prompts = self.prompts
         if self._engine_n < 1 or prompts.n < 1:
             return
-        self._set((self._engine_sum / self._engine_n) / (prompts.chars / prompts.n), "engine")
+        ratio = (self._engine_sum / self._engine_n) / (prompts.chars / prompts.n)
+        if self._lo < ratio < self._hi:
+            # On the step it is on: the value and its source stay. Every routed prompt calibrates,
+            # and the step changes a few times a run: the log2, round and pow were 4% of a
+            # cost-model decision (bench/decision_cost.py, 16 instances).
+            return
+        self._set(ratio, "engine")
 
     def _set(self, ratio: float, source: str) -> None:
         if ratio > 0:
-            self.value = on_grid(ratio)
+            step = grid_step(ratio)
+            self.value = at_step(step)
             self.source = source
+            if source == "engine":
+                self._lo = at_step(step - 0.5) * (1.0 + _INSIDE)
+                self._hi = at_step(step + 0.5) * (1.0 - _INSIDE)
+            else:
+                self._lo = self._hi = 0.0
