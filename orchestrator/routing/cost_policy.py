@@ -426,7 +426,8 @@ class CostModel:
             # a wrong pick costs that request alone and the finest estimate is the best guess
             # (tolerance everywhere: s8/room1.5/unique/r2 TTFT p90 1798 -> 2000 ms, mixed/r2 +4%).
             tol = self.journal.errors.value
-        near = [i for i, c in enumerate(costs) if c <= low + tol]
+        bound = low + tol
+        near = [i for i, c in enumerate(costs) if c <= bound]
         most = 0
         if len(near) > 1 and cached:  # among near-equals, the cache stays where it is
             most = max(cached.get(cands[i].iid, 0) for i in near)
