@@ -298,7 +298,7 @@ class Embedded:
     as it does in a deployment of TRT-LLM engines. Without, the sources export no TRT-LLM metrics
     and every decision takes the stale path (ours alone: llm_policies._counted)."""
 
-    front = "aiohttp"  # --front (the product's default is compiled: EmbeddedFront)
+    front = "aiohttp"  # --front (the product's default is auto, the C front where built: EmbeddedFront)
     policy: str | None = None  # --lb-policy (None: the default)
     engine_numbers = True  # main's --no-engine-numbers
 

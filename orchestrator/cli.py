@@ -127,7 +127,10 @@ def prepare(settings: cfg.Settings, *, for_launch: bool) -> Prepared:
     from orchestrator.plan import make_plan
     from orchestrator.topology import host_topology, load_topology
     from orchestrator.launcher.slurm_alloc import resolve_launcher
+    from orchestrator.endpoint import check_front
 
+    if for_launch:
+        check_front(settings)  # before anything is looked up or started, whatever launches the groups
     if resolve_launcher(settings.launcher, os.environ) == "slurm":
         from orchestrator.launcher.slurm_prepare import prepare_slurm
         return prepare_slurm(settings, for_launch=for_launch, prepare_local=prepare)

@@ -25,7 +25,7 @@ else:  # Python 3.10 (NVIDIA's Triton containers): the same parser from PyPI
 
 LB_POLICIES = ("least-outstanding", "round-robin", "kv-aware", "prefix-affinity", "cost-model")
 PROXY_MODES = ("embedded", "nginx", "none")
-FRONTS = ("aiohttp", "compiled")
+FRONTS = ("auto", "compiled", "aiohttp")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PLACEMENTS = ("topology", "ordered")
 CPU_AFFINITY = ("auto", "off")
@@ -107,13 +107,15 @@ class Settings:
     # least_conn's and raised output tokens/s 1.9x; without sharing it routes by load like
     # least-outstanding (bench/routing_bench.py, bench/README.md).
     lb_policy: str = opt("prefix-affinity", "routing: " + ", ".join(LB_POLICIES), group="proxy")
-    # compiled by default: the workers' native generations through the C front carried 2.5-4.5x the
+    # The C front by default (auto): the workers' native generations through it carried 2.5-4.5x the
     # events/s of the aiohttp workers on the 16-core machine and 0.885-0.999x NGINX's tiny requests/s
-    # on the 2-core box, against aiohttp's 0.84x (bench/README.md, docs/measured.md). Where the C
-    # module is not built (no compiler when setup.py ran) aiohttp serves every request, with a warning.
-    front: str = opt("compiled", "what serves the embedded workers' native generate, generate_stream and infer "
-                     "requests: compiled (a relay in C; every other request stays aiohttp's), or aiohttp",
-                     group="proxy")
+    # on the 2-core box, against aiohttp's 0.84x (bench/README.md, docs/measured.md). auto: where the
+    # C module is not built (no compiler when setup.py ran) aiohttp serves every request, with a
+    # warning; compiled: `up` refuses to start without it, for a deployment that counts on its rate.
+    front: str = opt("auto", "what serves the embedded workers' native generate, generate_stream and infer "
+                     "requests: auto (the compiled front where it is built, else aiohttp with a warning), "
+                     "compiled (the relay in C, required: `up` refuses without it; every other request "
+                     "stays aiohttp's), or aiohttp", group="proxy")
     trusted_proxy: tuple[str, ...] = opt((), "peer address whose X-Forwarded-For is kept (repeat)",
                                          group="proxy", repeat=True, metavar="ADDR")
     max_body_bytes: int = opt(64 * 1024 * 1024, "largest request body accepted", group="proxy",

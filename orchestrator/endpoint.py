@@ -17,6 +17,23 @@ def planned_backends(plan: Any) -> tuple[Backend, ...]:
                  for i in plan.instances)
 
 
+def front_built() -> bool:
+    """Whether this install has the compiled front (the workers run the same install)."""
+    from orchestrator import native
+    from orchestrator.dataplane.front import MODULE
+    return native.load(MODULE) is not None
+
+
+def check_front(settings: Settings) -> None:
+    """EnvironmentProblem where --front compiled is asked and the C module is not built: `up` starts
+    nothing rather than serve at a fraction of the rate the deployment was sized for (--front auto
+    is the fall back to aiohttp with a warning)."""
+    if settings.proxy == "embedded" and settings.front == "compiled" and not front_built():
+        from orchestrator.dataplane.front import REQUIRED
+        from orchestrator.errors import EnvironmentProblem
+        raise EnvironmentProblem(REQUIRED)
+
+
 def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *,
                  planned: tuple[Backend, ...] = (), on_change: Callable[[], None] | None = None,
                  adopt: list[Any] | None = None) -> list[Any]:
@@ -40,11 +57,9 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     # The embedded proxy runs in worker processes beside the daemon (the data plane):
     # the daemon's own crash, GC pause or upgrade touches no client connection.
     from orchestrator.controlplane.workers import WorkerPool
-    if settings.front == "compiled":
+    if settings.front == "auto" and not front_built():
         # Said here too: each worker says it in its own log, which `up` does not print, and the
         # workers then serve small answers at a fraction of the rate.
-        from orchestrator import native
-        from orchestrator.dataplane.front import MODULE, NOT_BUILT
-        if native.load(MODULE) is None:
-            logger.warning(NOT_BUILT)
+        from orchestrator.dataplane.front import NOT_BUILT
+        logger.warning(NOT_BUILT)
     return [WorkerPool(settings, backends, state_dir, logger, on_change=on_change, adopt=adopt or [])]

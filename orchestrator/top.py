@@ -121,7 +121,7 @@ def header(status: dict[str, Any], error: str = "") -> Text:
                         + "  ".join(f"w{w['slot']}:{w.get('connections', 0)}c/{w.get('inflight', 0)}f"
                                     for w in pool["workers"]))
             without = [f"w{w['slot']}" for w in pool["workers"] if w.get("front_missing")]
-            if without:  # --front compiled, not built: aiohttp serves them at a fraction of the rate
+            if without:  # --front auto, not built: aiohttp serves them at a fraction of the rate
                 text.append(f"  no compiled front: {' '.join(without)}", style="yellow")
     if d.get("rolling_restart"):
         text.append("  rolling restart", style="magenta")

@@ -79,6 +79,22 @@ def test_up_missing_model_repo(tmp_path):
     assert out.returncode == 2 and "--model-repo=" in out.stderr and "not a directory" in out.stderr
 
 
+@pytest.mark.e2e
+def test_up_front_compiled_without_the_module_is_one_line_exit_2_and_starts_nothing(tmp_path):
+    """--front compiled asks for the C front: on an install without it (TRTLLM_ORCH_PURE_PYTHON=1
+    leaves it out, as a missing compiler does) `up` refuses, where --front auto would serve
+    through aiohttp at a fraction of the rate."""
+    import os
+    state = tmp_path / "state"
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--model-repo", str(tmp_path), "--state-dir",
+                          str(state), "--assume-gpus", "2", "--front", "compiled"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60, env={**os.environ, "TRTLLM_ORCH_PURE_PYTHON": "1"})
+    assert out.returncode == 2, out.stderr
+    assert "--front='compiled': the compiled front is not built here" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not state.exists() or not any(state.iterdir())
+
+
 # The CLI as on a host without the NVIDIA driver, also on a GPU host: libnvidia-ml cannot
 # be loaded, so pynvml's nvmlInit() fails exactly as it does there.
 WITHOUT_NVML = """

@@ -693,9 +693,9 @@ def test_an_all_zero_key_is_matched_as_it_is_recorded(tmp_path):
     assert b.match([bytes(16)]) == (1, {"2": 1})
 
 
-@pytest.mark.parametrize("front", ["compiled", "aiohttp"])
+@pytest.mark.parametrize("front", ["auto", "compiled", "aiohttp"])
 def test_status_names_a_worker_that_runs_no_compiled_front_where_one_was_asked(tmp_path, front):
-    """--front compiled where the module was not built: the worker serves through aiohttp (one
+    """--front auto where the module was not built: the worker serves through aiohttp (one
     warning in its log), and the pool's status says so once its stats have come; not before
     them, not for a worker asked for aiohttp, not for one whose front runs."""
     from orchestrator.controlplane.workers import WorkerPool, _Slot
@@ -708,4 +708,4 @@ def test_status_names_a_worker_that_runs_no_compiled_front_where_one_was_asked(t
     pool._slots = {0: _Slot(0, proc=Alive()), 1: _Slot(1, proc=Alive(), stats={"front_served": None}),
                    2: _Slot(2, proc=Alive(), stats={"front_served": 12})}
     missing = [w["front_missing"] for w in pool.status()["workers"]]
-    assert missing == ([False, True, False] if front == "compiled" else [False, False, False])
+    assert missing == ([False, False, False] if front == "aiohttp" else [False, True, False])

@@ -413,11 +413,11 @@ def test_a_batchs_inter_token_counts_are_added_bucket_by_bucket_at_the_fold():
     assert seen.itl == {("0", "generate_stream"): (1.625, [5, 3, 3]), ("1", "generate_stream"): (0.25, [0, 1, 0])}
 
 
-@pytest.mark.parametrize("front, pure, warned", [("compiled", "1", True), ("compiled", "0", False),
-                                                 ("aiohttp", "1", False)])
+@pytest.mark.parametrize("front, pure, warned", [("auto", "1", True), ("auto", "0", False),
+                                                 ("compiled", "0", False), ("aiohttp", "1", False)])
 def test_the_daemon_says_at_start_that_the_compiled_front_is_not_built(tmp_path, monkeypatch, caplog, front, pure,
                                                                        warned):
-    """--front compiled with the module not built (here: TRTLLM_ORCH_PURE_PYTHON=1 leaves it out, as
+    """--front auto with the module not built (here: TRTLLM_ORCH_PURE_PYTHON=1 leaves it out, as
     a missing build does): the daemon's own log says so once as the data plane is made, not only
     each worker's log, which `up` does not print."""
     import logging
@@ -430,3 +430,26 @@ def test_the_daemon_says_at_start_that_the_compiled_front_is_not_built(tmp_path,
     assert [type(p).__name__ for p in proxies] == ["WorkerPool"]
     said = [r.getMessage() for r in caplog.records if r.getMessage() == NOT_BUILT]
     assert len(said) == (1 if warned else 0)
+
+
+@pytest.mark.parametrize("front, proxy, pure, refused", [("compiled", "embedded", "1", True),
+                                                         ("compiled", "embedded", "0", False),
+                                                         ("auto", "embedded", "1", False),
+                                                         ("aiohttp", "embedded", "1", False),
+                                                         ("compiled", "nginx", "1", False)])
+def test_front_compiled_is_required_where_asked(monkeypatch, front, proxy, pure, refused):
+    """--front compiled is a requirement: where the module is not built, `up` refuses before it
+    looks anything up or starts anything (EnvironmentProblem: exit 2, one line naming the field
+    and the value); auto falls back to aiohttp, and NGINX mode runs no front at all."""
+    from orchestrator.endpoint import check_front
+    from orchestrator.errors import EXIT_USAGE, EnvironmentProblem
+    monkeypatch.setenv("TRTLLM_ORCH_PURE_PYTHON", pure)
+    settings = Settings(front=front, proxy=proxy)
+    if not refused:
+        check_front(settings)
+        return
+    with pytest.raises(EnvironmentProblem) as caught:
+        check_front(settings)
+    assert caught.value.exit_code == EXIT_USAGE
+    line = str(caught.value)
+    assert line.startswith("--front='compiled': the compiled front is not built here") and "\n" not in line

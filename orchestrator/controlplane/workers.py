@@ -608,12 +608,12 @@ class WorkerPool:
                 "inflight": table.worker_inflight(index) if table is not None else 0,
                 "held": table.held(index) if table is not None else 0,
                 "requests": table.requests(index) if table is not None else 0,
-                # of those, answered by the compiled front (--front compiled; None without)
+                # of those, answered by the compiled front (None without one)
                 "front_served": slot.stats.get("front_served") if alive else None,
-                # --front compiled asked, and the worker's stats say it runs none (the module not
-                # built: aiohttp serves every request at a fraction of the rate, with one warning
+                # the compiled front asked (auto), and the worker's stats say it runs none (the module
+                # not built: aiohttp serves every request at a fraction of the rate, with one warning
                 # in the worker's log); unknown until its first stats
-                "front_missing": alive and self._settings.front == "compiled" and "front_served" in slot.stats
+                "front_missing": alive and self._settings.front != "aiohttp" and "front_served" in slot.stats
                 and slot.stats["front_served"] is None,
                 "last_exit": slot.last_exit,
             })

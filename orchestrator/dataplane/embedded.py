@@ -271,9 +271,10 @@ class EmbeddedProxy:
         return runner
 
     def _start_front(self, server: GuardedServer) -> Any:
-        """A worker's compiled front for the public listener, where --front compiled and the module
-        is built (else aiohttp serves every request, with a warning)."""
-        if self._settings.front != "compiled" or self._openai_only:
+        """A worker's compiled front for the public listener, where --front auto or compiled and the
+        module is built (else aiohttp serves every request, with a warning; `up --front compiled`
+        refused to start without it, so here that is auto's case)."""
+        if self._settings.front == "aiohttp" or self._openai_only:
             return None
         from orchestrator.dataplane.front import NOT_BUILT
         from orchestrator.dataplane.front.compiled import NATIVE, Front

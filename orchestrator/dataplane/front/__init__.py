@@ -11,7 +11,11 @@ passive health, metrics). bench/_compiled_front.py runs the bare relay for datap
 
 # The compiled relay (setup.py builds it where a C compiler is; native.load finds it or not).
 MODULE = "orchestrator.dataplane.front._front"
-# What a worker (and the daemon, once at start) says where --front compiled finds it not built.
-NOT_BUILT = ("--front compiled: the compiled front is not built here (no C compiler when setup.py ran, or "
-             "TRTLLM_ORCH_PURE_PYTHON=1); aiohttp serves every request, about a fifth of the rate on small "
-             "answers (`pip install .` or `python setup.py build_ext --inplace` builds it)")
+# Why it may be missing, and how to build it.
+_WHY = ("not built here (no C compiler when setup.py ran, or TRTLLM_ORCH_PURE_PYTHON=1; `pip install .` or "
+        "`python setup.py build_ext --inplace` builds it)")
+# What a worker (and the daemon, once at start) says where --front auto finds it not built.
+NOT_BUILT = f"--front auto: the compiled front is {_WHY}; aiohttp serves every request, about a fifth of the rate " \
+            "on small answers"
+# Why `up --front compiled` refuses to start without it (errors.EnvironmentProblem's line).
+REQUIRED = f"--front='compiled': the compiled front is {_WHY}; --front auto serves through aiohttp without it"
