@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from orchestrator import config as cfg
 from orchestrator.errors import EXIT_OK, EXIT_RUNTIME, DaemonNotRunning, OrchError, UsageError
@@ -45,7 +45,7 @@ def _add_state_dir(parser: argparse.ArgumentParser) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other usage error
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other usage error
         self.exit(2, f"trtllm-orch: error: {message}\n")
 
 
@@ -276,7 +276,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         from orchestrator.detach import run_detached
         return run_detached(sys.argv[1:], settings, sd)
     setup_logging(settings.log_level)
-    gpu_holders = gpu_usage = None
+    gpu_holders: Any = None
+    gpu_usage: Any = None
     if prepared.gpus_from_nvml:
         from orchestrator.gpus import gpu_holders, gpu_usage
 

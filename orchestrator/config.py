@@ -391,7 +391,8 @@ def settings_to_json(settings: Settings) -> dict[str, Any]:
 def settings_from_json(data: dict[str, Any]) -> Settings:
     """The inverse of settings_to_json; fields this version does not know are dropped (a
     newer daemon may hand an older worker its settings during an upgrade)."""
-    known = {name: tuple(v) if isinstance(v, list) else v for name, v in data.items() if name in FIELDS}
+    known: dict[str, Any] = {name: tuple(v) if isinstance(v, list) else v for name, v in data.items()
+                             if name in FIELDS}
     return Settings(**known)
 
 

@@ -14,7 +14,7 @@ its own stop is not its owner's concern, and must not be logged as never retriev
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import Any, Optional
 
 RECANCEL_S = 0.5  # how long one cancel gets before the next; a task that honours it ends at once
 
@@ -27,9 +27,9 @@ async def cancel_and_wait(*tasks: Optional[asyncio.Future]) -> None:
             task.cancel()
         await asyncio.wait(pending, timeout=RECANCEL_S)
         pending = {t for t in pending if not t.done()}
-    for task in tasks:
-        if task is not None and task.done() and not task.cancelled():
-            task.exception()  # retrieved
+    for t in tasks:
+        if t is not None and t.done() and not t.cancelled():
+            t.exception()  # retrieved
 
 
 def awaiting(task: asyncio.Task, depth: int = 16) -> str:
@@ -38,7 +38,7 @@ def awaiting(task: asyncio.Task, depth: int = 16) -> str:
     being cancelled (what a stop gave up waiting for); asyncio's own `get_stack` shows the
     outermost frame of a suspended task only."""
     names: list[str] = []
-    coro = task.get_coro()
+    coro: Any = task.get_coro()
     while coro is not None and len(names) < depth:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         if frame is None:

@@ -199,7 +199,7 @@ class _Keys:
 
     def _read(self) -> None:
         try:
-            data = os.read(self._fd, 64)  # readable now: does not block
+            data = os.read(self._fd, 64)  # type: ignore[arg-type]  # readable now: does not block (a terminal's fd)
         except OSError:
             data = b""
         if not data or b"q" in data.lower():

@@ -278,7 +278,8 @@ def read_topology(nvml: Any = None, sys_root: str = "/sys") -> Topology:
     Raises whatever nvmlInit raises when NVML is unusable.
     """
     if nvml is None:
-        import pynvml as nvml
+        import pynvml
+        nvml = pynvml
     nvml.nvmlInit()
     try:
         return _read(nvml, Path(sys_root))

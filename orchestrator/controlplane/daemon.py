@@ -462,7 +462,7 @@ class Daemon:
         settled, then are relaunched with this config's one at a time, as a reload would: a
         changed config never takes every instance out at once."""
         for inst in self.instances.values():
-            await inst.wait_for(lambda inst=inst: inst.state in (State.READY, State.FAILED))
+            await inst.wait_for(lambda inst=inst: inst.state in (State.READY, State.FAILED))  # type: ignore[misc]
         await self._rolling_restart("adopted with an older launch command", only=ids)
 
     async def _rolling_restart(self, why: str, only: set[str] | None = None) -> None:
@@ -475,7 +475,7 @@ class Daemon:
             inst.request_restart()
             # The instance tells us when its next launch settled; a restart out of FAILED
             # counts as a launch too (waiting on `restarts` alone once hung forever).
-            await inst.wait_for(lambda inst=inst: inst.launches > before
+            await inst.wait_for(lambda inst=inst: inst.launches > before  # type: ignore[misc]
                                 and inst.state in (State.READY, State.FAILED))
             log.info("rolling restart: instance=%s is %s", inst.id, inst.state.value)
         log.info("rolling restart done")

@@ -617,9 +617,9 @@ class WorkerPool:
                 and slot.stats["front_served"] is None,
                 "last_exit": slot.last_exit,
             })
-        alive = sum(1 for w in workers if w["alive"])
-        return {"kind": self.kind, "state": "running" if alive == len(workers) and workers else "degraded",
-                "workers_wanted": self._settings.worker_count(), "workers_alive": alive,
+        serving = sum(1 for w in workers if w["alive"])
+        return {"kind": self.kind, "state": "running" if serving == len(workers) and workers else "degraded",
+                "workers_wanted": self._settings.worker_count(), "workers_alive": serving,
                 "requests": sum(w["requests"] for w in workers),
                 "inflight": sum(w["inflight"] for w in workers),
                 "connections": sum(w["connections"] for w in workers),

@@ -499,7 +499,7 @@ class EmbeddedProxy:
         balancer = self._balancer
         tried: list[str] = []
         last = why = "no attempt made"
-        loop = self._loop
+        loop: asyncio.AbstractEventLoop = self._loop  # type: ignore[assignment]  # serving: start() set it
         for attempt in range(self._max_attempts):
             # Re-read: the set may change between attempts; an instance that just died
             # may have been the only one, then the retry waits for one to be ready.

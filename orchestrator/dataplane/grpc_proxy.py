@@ -214,7 +214,8 @@ class GrpcProxy:
         self._retired.add(up)
         task = loop.create_task(up.channel.close(self._settings.idle_timeout_s))
         self._tasks.add(task)
-        task.add_done_callback(lambda t: (self._tasks.discard(t), self._retired.discard(up)))
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._retired.discard(up))
 
     def _upstream(self, backend: Backend) -> _Upstream:
         up = self._upstreams.get(backend.instance_id)
@@ -313,7 +314,7 @@ class GrpcProxy:
                 timeout, ours = self._timeout(context)
                 first_byte = self._first_byte_s is not None and self._first_byte_s < timeout
                 if first_byte:
-                    timeout, ours = self._first_byte_s, True
+                    timeout, ours = self._first_byte_s, True  # type: ignore[assignment]  # first_byte: set
                 self._balancer.acquire(iid)
                 try:
                     # Awaiting the call cancels it upstream if this handler is cancelled

@@ -179,7 +179,7 @@ class OpenAIFrontend:
                 resp = _error(OpenAIError(404, f"unknown endpoint {route.path}", code="unknown_url"))
         except OpenAIError as exc:
             resp = _error(exc)
-        if not resp.prepared and not isinstance(resp, _Answer):
+        if not resp.prepared and isinstance(resp, web.Response) and not isinstance(resp, _Answer):
             resp = self._translate_error(resp)
         self._count(api, resp.status)
         return resp

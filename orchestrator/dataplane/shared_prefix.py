@@ -140,15 +140,15 @@ class SharedPrefixIndex:
             return 0, {}
         oldest = self._clock() - self.ttl_s
         holders = self._holders
-        first = holders(keys[0], oldest)
+        first = holders(keys[0], oldest)  # type: ignore[arg-type]  # recorded positions hold keys (chunk_keys)
         if not first:
             return n, {}
         if n == 1:
             return 1, {str(idx): (1, t) for idx, t in first.items()}
-        last = holders(keys[-1], oldest)
+        last = holders(keys[-1], oldest)  # type: ignore[arg-type]
         found: dict[str, tuple[int, float]] = {}
         seen: dict[int, dict[int, float]] | None = None
-        positions = None
+        positions: tuple[int, ...] = ()
         for idx in first:
             if idx in last:
                 found[str(idx)] = (n, last[idx])
@@ -161,7 +161,7 @@ class SharedPrefixIndex:
                 mid = (lo + hi) >> 1
                 at = seen.get(mid)
                 if at is None:
-                    at = seen[mid] = holders(keys[positions[mid]], oldest)
+                    at = seen[mid] = holders(keys[positions[mid]], oldest)  # type: ignore[arg-type]
                 if idx in at:
                     lo = mid
                 else:
@@ -192,7 +192,7 @@ class SharedPrefixIndex:
         start_of = _START.unpack_from
         ids_of = _HOLDER_IDS.unpack_from
         for p in recorded(len(keys)):
-            key = keys[p]
+            key: bytes = keys[p]  # type: ignore[assignment]  # a recorded position holds its key (chunk_keys)
             mine = written.get(key)
             if mine is not None and mine[0] == idx and mine[1] > since and mine[1] > void:
                 continue

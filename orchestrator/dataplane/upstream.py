@@ -267,7 +267,7 @@ class UpstreamResponse:
                 self._wake()
 
     async def read(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             chunk = await self.readany()
             if not chunk:

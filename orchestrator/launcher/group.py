@@ -111,7 +111,7 @@ class ProcessGroup:
 
     @property
     def mpirun_pid(self) -> int | None:
-        return self.mpirun.pid if self.running else None
+        return self.mpirun.pid if self.running else None  # type: ignore[union-attr]  # running: mpirun is set
 
     @property
     def exit_code(self) -> int | None:
@@ -183,7 +183,7 @@ class ProcessGroup:
         for p in procs[1:]:  # mpirun itself is watched through proc.wait()
             name = await asyncio.to_thread(_name, p)
             watching = self._watcher.watch(
-                p.pid, lambda pid, name=name: self._report_exit(f"{name} (pid {pid}) exited"))
+                p.pid, lambda pid, name=name: self._report_exit(f"{name} (pid {pid}) exited"))  # type: ignore[misc]
             if not watching:  # died between the tree scan and the watch
                 self._report_exit(f"{name} (pid {p.pid}) exited")
 
@@ -207,7 +207,7 @@ class ProcessGroup:
             self._watcher.unwatch(pid)
         iid = self.plan.instance_id
         root = self.mpirun.pid if self.mpirun is not None else None
-        pgids = [root] if self.running else []  # its own session: pgid == pid
+        pgids = [root] if root is not None and self.running else []  # its own session: pgid == pid
         known = list(self.pids)
         if failed:
             # What we know of the group dies before the /proc scan that finds the rest:

@@ -173,11 +173,11 @@ class SlurmGroup(ProcessGroup):
             # only the node's slurmd is gone); it waits up to KillWait for the step to end,
             # which slurmctld never confirms for a node it cannot reach.
             log.debug("instance=%s slurm stop: srun runs on after %gs: SIGTERM", iid, grace_s)
-            self._ops.killpg(self.mpirun.pid, signal.SIGTERM)
+            self._ops.killpg(self.mpirun.pid, signal.SIGTERM)  # type: ignore[union-attr]  # running: it is set
             await self._wait_srun(SRUN_CANCEL_WAIT_S if reachable else SRUN_UNREACHABLE_WAIT_S)
         if self.running:
             log.debug("instance=%s slurm stop: srun ignored SIGTERM: SIGKILL", iid)
-            self._ops.killpg(self.mpirun.pid, signal.SIGKILL)
+            self._ops.killpg(self.mpirun.pid, signal.SIGKILL)  # type: ignore[union-attr]
             await self._wait_srun(5.0)
         left: list[str] = []
         if reachable:

@@ -87,7 +87,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         ghost, gport = parse_host_port(settings.grpc_listen, "--grpc-listen")
         grpc_listen = _addr(ghost, grpc_port if grpc_port is not None else gport)
     full = prefix_dir is not None
-    ready_dir = prefix_dir / "health" if full else None
+    ready_dir = prefix_dir / "health" if prefix_dir is not None else None
     if openai_upstream is None and settings.openai == "on" and settings.openai_listen:
         oh, op = parse_host_port(settings.openai_listen, "--openai-listen")
         openai_upstream = _addr("127.0.0.1" if oh in ("0.0.0.0", "::") else oh, op)
@@ -210,7 +210,9 @@ class NginxProxy:
         """For the daemon's `status`: is the endpoint really there?"""
         master = self._master.status() if self._master is not None else {"state": "stopped", "pid": None}
         return {"kind": "nginx", **master, "listen": _addr(self._listen[0], self._port),
-                "grpc_listen": _addr(self._grpc_listen[0], self._grpc_port) if self._grpc_listen else "",
+                # (a gRPC listener has its port: the asked one, then the bound one)
+                "grpc_listen": _addr(self._grpc_listen[0], self._grpc_port)  # type: ignore[arg-type]
+                if self._grpc_listen else "",
                 "metrics_port": self.metrics_port, "config": str(self._conf), "reloads": self.reloads,
                 "last_error": self.last_error}
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from orchestrator.dataplane.membership import RemoteHealth
     from orchestrator.health.engine_state import EngineView
     from orchestrator.health.outlier import PassiveHealth
 
@@ -25,8 +26,9 @@ class Backend:
     grpc_port: int
     metrics_port: int
     # The instance's passive health; not part of the identity (a Backend equals
-    # another with the same addresses), and None for backends nobody supervises.
-    health: "PassiveHealth | None" = field(default=None, compare=False, repr=False)
+    # another with the same addresses), and None for backends nobody supervises. In a data-plane
+    # worker, the daemon's, reached through the feed (dataplane/membership.py's RemoteHealth).
+    health: "PassiveHealth | RemoteHealth | None" = field(default=None, compare=False, repr=False)
     # What the instance's engine last reported (its metrics, scraped by the instance).
     engine: "EngineView | None" = field(default=None, compare=False, repr=False)
 

@@ -220,7 +220,8 @@ class Balancer:
         # With several workers, each count is a sum over the workers' rows of the shared table:
         # read once per pick, together, rather than per instance each time a policy looks.
         of = self._counts_of
-        view = self._view if of is None else of(backends)
+        # (without `of` the view is the worker's own counts, a Mapping)
+        view: Mapping[str, int] = self._view if of is None else of(backends)  # type: ignore[assignment]
         if not cooling:
             return self._choose(backends, exclude, view, hints)
         # Cooling instances only when nothing else is left.

@@ -90,9 +90,10 @@ import random
 import time
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 from orchestrator import native
-from orchestrator.health.engine_state import EngineSnapshot
+from orchestrator.health.engine_state import EngineSnapshot, EngineView
 from orchestrator.routing.backends import Backend
 from orchestrator.routing.cost_model import RateBook, Rates, cached_blocks
 from orchestrator.routing.journal import ErrorMeter, Journal, Pending
@@ -116,7 +117,7 @@ class _Inst:
     def __init__(self, iid: str, journal: Journal) -> None:
         self.iid = iid
         self.key = iid.encode()
-        self.view = None
+        self.view: EngineView | None = None
         self.stale_after_s = 0.0
         self.at = -math.inf  # the snapshot's time: none yet
         self.foreign = 0  # requests the engine holds that we did not send
@@ -371,7 +372,7 @@ class CostModel:
                 for iid, d in self.index.match(keys)[1].items():
                     inst = insts.get(iid)
                     # None (another worker routed it): what the index holds counts as cached
-                    depth[iid] = (d, inst.log.last(keys[d - 1]) if inst is not None else None)
+                    depth[iid] = (d, inst.log.last(keys[d - 1]) if inst is not None else None)  # type: ignore[arg-type]
             chunk_chars, at_most = self.chunk_chars, max(0, tokens - 1)  # one token is always computed
             for iid, (d, last) in depth.items():
                 inst = insts.get(iid)
@@ -468,7 +469,7 @@ class CostModel:
             reason = SPILL
         estimate = None
         if learnt:  # without the delay the choice imposes on the others
-            r = inst.rates
+            r: Any = inst.rates  # learnt: every candidate has its rates
             n = ns[pick]
             queued = inst.pending.total + (others.get(inst.iid, 0.0) if others else 0.0)
             estimate = r.prefill_s * (queued + tokens - got) + r.decode_s + \

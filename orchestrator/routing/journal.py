@@ -42,14 +42,15 @@ class RoutedShare(Protocol):
 
     def total(self, instance_id: str) -> float: ...
 
-    def total_with(self, other: "RoutedShare", instance_id: str) -> tuple[float, float]:
+    # `other`: a lane of the same kind and file layout (shared_pending.PendingLane with PendingLane)
+    def total_with(self, other: Any, instance_id: str) -> tuple[float, float]:
         """(this lane's `total`, `other`'s): the blocks and requests lanes read together."""
 
-    def since_with(self, other: "RoutedShare", instance_id: str, at: "array[float]", blocks: "array[float]",
+    def since_with(self, other: Any, instance_id: str, at: "array[float]", blocks: "array[float]",
                    requests: "array[int]", start: int, trimmed: bool, t: float) -> tuple[float, int] | None:
         """WriteLog.since over these totals and notes, compiled; None: the Python's to work out."""
 
-    def add_with(self, other: "RoutedShare", instance_id: str, amount: float, other_amount: float
+    def add_with(self, other: Any, instance_id: str, amount: float, other_amount: float
                  ) -> tuple[float, float]:
         """`add` to both lanes, then `total_with`."""
 
@@ -96,7 +97,7 @@ class WriteLog:
         indexes read: prefix_index.recorded)."""
         seen = self._seen
         for p in recorded(len(keys)):
-            key = keys[p]
+            key: bytes = keys[p]  # type: ignore[assignment]  # a recorded position holds its key (chunk_keys)
             if key in seen:
                 seen.move_to_end(key)
             seen[key] = at
@@ -176,6 +177,7 @@ class WriteLog:
             blocks, total_requests = shared[0].total_with(shared[1], self._iid)
             requests = int(total_requests)
             i = bisect_right(at, t, start)
+            then_r: float  # a note's count, or one interpolated between two
             if i == start:
                 if self._trimmed:
                     return math.inf, requests

@@ -152,7 +152,7 @@ class RouteHints(NamedTuple):
         if len(prompt) < DEFAULT_CHUNK_CHARS:  # no full chunk: no key to hash
             return cls((), len(prompt), zlib.crc32(prompt.encode("utf-8", "surrogatepass")), prompt)
         keys = tuple(chunk_keys(prompt))
-        return cls(keys, len(prompt), zlib.crc32(keys[0]), prompt)
+        return cls(keys, len(prompt), zlib.crc32(keys[0]), prompt)  # type: ignore[arg-type]  # position 0 is recorded
 
 
 class InflightHistory:
@@ -335,8 +335,8 @@ def _counted(backends: Sequence[Backend], inflight: Mapping[str, int], now: floa
     for b in backends:
         view = b.engine
         snap = view.latest if view is not None else None  # EngineView.fresh, inline
-        if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:
-            fresh = False
+        if snap is None or snap.iteration is None or now - snap.at > view.stale_after_s:  # type: ignore[union-attr]
+            fresh = False  # (a snapshot comes from a view: `view` is set past the first test)
             break
         iid = b.instance_id
         ours = inflight.get(iid, 0)
@@ -466,7 +466,7 @@ def _least_requests(candidates: Sequence[Backend], inflight: Mapping[str, int], 
     return _least(candidates, _counted(candidates, inflight, now, history, note=True, ready=ready)[0], turns)
 
 
-def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "Turns") -> Backend:
+def _least(candidates: Sequence[Backend], load: Mapping[str, float], turns: "Turns | SharedTurns") -> Backend:
     best: list[Backend] = []
     low = math.inf
     for b in candidates:

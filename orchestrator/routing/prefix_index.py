@@ -102,7 +102,7 @@ class PrefixIndex:
         get = self._holders.get
         n = 0  # chunks matched: one past the last recorded position every alive holder has
         for p in recorded(len(keys)):
-            holders = get(keys[p])
+            holders = get(keys[p])  # type: ignore[arg-type]  # a recorded position holds its key (chunk_keys)
             if not holders:
                 break
             if n == 0:
@@ -126,7 +126,7 @@ class PrefixIndex:
         now = self._clock()
         holders_of = self._holders
         for p in recorded(len(keys)):
-            key = keys[p]
+            key: bytes = keys[p]  # type: ignore[assignment]  # a recorded position holds its key (chunk_keys)
             holders = holders_of.get(key)
             if holders is None:
                 holders_of[key] = {instance_id: now}

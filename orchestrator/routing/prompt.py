@@ -86,6 +86,7 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 def _fields(buf: bytes):
     """(field number, wire type, value) for each field; value is bytes for length-delimited."""
+    value: int | bytes
     pos, end = 0, len(buf)
     while pos < end:
         key, pos = _varint(buf, pos)

@@ -24,7 +24,7 @@ from orchestrator.dataplane.front import MODULE
 from orchestrator.dataplane.headers import RESPONSE_DROP, UNTRUSTED_REQUEST_DROP, TrustedPeers
 from orchestrator.dataplane.metrics import ITL_BUCKETS
 
-NATIVE = native.load(MODULE)
+NATIVE: Any = native.load(MODULE)  # None where not built: everything below runs only where it is
 
 # The native routes the front serves itself (POST /v2/models/...<suffix>): the generations. Every
 # other request's connection is handed to aiohttp, which applies the surface's rules to it.

@@ -155,7 +155,7 @@ class FrontPath:
         self._targets[line] = found
         return found
 
-    def decide(self, head: bytes, body: bytes) -> tuple[int, _FrontRequest] | None:
+    def decide(self, head: bytes, body: bytes) -> tuple[int, _FrontRequest] | tuple[int, _FrontRequest, bool] | None:
         p = self._proxy
         line = head[:head.index(b"\n")]
         found = self._targets.get(line, False)
@@ -167,7 +167,7 @@ class FrontPath:
         backends = p._backends.current()
         if not backends:
             return None
-        raw_path, action = found
+        raw_path, action = found  # type: ignore[misc]  # not False: worked out above
         timer = p.metrics.timer(action) if action in _LLM_ACTIONS else None
         hints = RouteHints.from_prompt(prompt_of_json(body)) if p._balancer.wants_prompt_of(len(body)) else None
         request = _FrontRequest(timer, hints, raw_path)
