@@ -3,7 +3,8 @@
 Annotations are the modules' documentation of what flows between them (a Backend's health, a
 policy's turns, a shared lane); one that is narrower than what runs misleads the next reader, and
 mypy is what notices. It runs in-process (mypy.api: no child process, as a unit test must), with
-its cache in the test's temporary directory, about 10 s cold on the 2-core box.
+its cache in the test's temporary directory: about 30 s on the 2-core box (the GPU machine runs
+mypy's pure wheel, which scripts/pack-gpu-payload carries there).
 """
 
 from __future__ import annotations
