@@ -251,7 +251,18 @@ def write_plot(json_path: Path, data: dict[str, Any], draw: Callable[[dict[str, 
     png = json_path.with_suffix(".png")
     fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    _to_palette(png)
     return png
+
+
+def _to_palette(png: Path) -> None:
+    """The picture in 256 colours: a third of matplotlib's bytes (a chart has a few colours, and
+    its anti-aliased edges lose nothing one can see). Every run commits one, and the tracked files
+    travel to the GPU machine with each call, 64 MiB in all (docs/gpus.md)."""
+    from PIL import Image  # matplotlib's own dependency
+    with Image.open(png) as image:
+        small = image.convert("RGB").quantize(colors=256, dither=Image.Dither.NONE)
+    small.save(png, optimize=True)
 
 
 def finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> Any:
