@@ -401,6 +401,36 @@ async def test_reload_rereads_the_model_facts(h, tmp_path):
 
 
 # --- the loopback listener NGINX forwards /v1/ to -----------------------------------------------------
+async def test_a_stream_that_a_stop_finds_on_a_kept_connection_then_its_next_request(h):
+    # A chat stream whose head went out (kept alive) before the stop ends, and the client's next
+    # request on that connection is answered, its head saying Connection: close, and then the
+    # connection closes. Closed right after the first stream (the head had said keep-alive), the
+    # next request failed with a broken pipe; answered with a head that did not say close, the
+    # one after it did (bench/chaos_soak.py's chat clients at a reload that stopped a worker).
+    await h.start(await FakeTriton().start(), front="aiohttp")
+    body = json.dumps({"model": "ensemble", "messages": [{"role": "user", "content": "x"}], "max_tokens": 6,
+                       "stream": True}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    reader, writer = await asyncio.open_connection("127.0.0.1", h.proxy.bound_port)
+    try:
+        writer.write(request)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200") and b"Connection: close" not in head, head
+        stopping = asyncio.create_task(h.proxy.stop(grace_s=3.0))
+        first = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
+        assert b"data: [DONE]" in first
+        writer.write(request)  # at once, as a client in a loop does
+        second = await asyncio.wait_for(reader.read(), 5)  # to EOF: answered, then closed
+        head2, _, rest = second.partition(b"\r\n\r\n")
+        assert head2.startswith(b"HTTP/1.1 200") and b"\r\nConnection: close" in head2, second[:300]
+        assert b"data: [DONE]" in rest
+        await stopping
+    finally:
+        h.proxy = None  # stopped above
+        writer.close()
+
+
 async def test_openai_listener_serves_only_v1():
     up = await fake()
     backends = RecordingBackends()

@@ -26,6 +26,14 @@ this; `GuardedServer` (a drop-in for aiohttp's low-level `web.Server`) adds:
   had come and whose body was still on the way waited for the rest until the stop's grace
   ran out and cancelled it (another CI run of the same reload: RemoteDisconnected, the cancel
   log showing it waiting in `_read_body`). Its body is read and it is answered.
+- the next request of a connection busy at shutdown. An answer whose head went out before the
+  stop says keep-alive, and its client may send the next request the moment it ends: closed
+  then, that request fails (a broken pipe or a reset: bench/chaos_soak.py's streaming clients
+  at each reload that stopped a worker; NGINX's graceful stop leaves the same race). Such a
+  connection stays open after the answer (`kept`), and `linger` gives it the first request's
+  grace for its next request, answered with Connection: close (the proxy's answers say close
+  once it stops), then closes it. A connection idle between requests at the shutdown is kept
+  the same way (its client may be sending the next one).
 """
 
 from __future__ import annotations
@@ -130,6 +138,9 @@ class GuardedServer(web.Server):
         # Accepted connections that have not sent a byte yet (their first request may be on
         # the way): a shutdown closes them after it (module doc).
         self.fresh: set["_GuardedProtocol"] = set()
+        # Connections busy at the shutdown, kept open after their answer for one more request
+        # (module doc): `linger` waits for them.
+        self.kept: set["_GuardedProtocol"] = set()
         self._refusals = _Throttled(log, logging.WARNING)
         self._cuts = _Throttled(log, logging.INFO)
 
@@ -169,7 +180,33 @@ class GuardedServer(web.Server):
             await asyncio.sleep(SETTLE_POLL_S)
         for protocol in list(self.fresh):
             self.fresh.discard(protocol)
-            RequestHandler.close(protocol)
+            # Closed now. RequestHandler.close() only cancels the wait for a request: the
+            # connection stayed open, unread, until the proxy's cleanup at the end of its stop,
+            # and a request sent in the meantime waited there for nothing (up to the grace,
+            # then a RemoteDisconnected: a reload test's stream, 10.9 s).
+            protocol.force_close()
+
+    async def linger(self, first_request_s: float, until: float) -> None:
+        """After pre_shutdown, beside the wait for the running answers: each kept connection idle
+        (its answer ended kept alive, or it was idle at the shutdown) gets `first_request_s` for
+        its next request; a silent one is closed then, and every one left at `until` (loop time)."""
+        loop = self._event_loop
+        idle_since: dict[_GuardedProtocol, float] = {}
+        while self.kept and loop.time() < until:
+            now = loop.time()
+            for protocol in list(self.kept):
+                if not protocol.awaiting_request():
+                    idle_since.pop(protocol, None)  # still answering, or its next request came
+                elif now - idle_since.setdefault(protocol, now) >= first_request_s:
+                    self.kept.discard(protocol)
+                    protocol.force_close()  # idle: closed now (module doc: settle)
+            await asyncio.sleep(SETTLE_POLL_S)
+        for protocol in list(self.kept):
+            self.kept.discard(protocol)
+            if protocol.awaiting_request():
+                protocol.force_close()
+            else:
+                RequestHandler.close(protocol)  # after the answer it is giving
 
     def refuse(self, transport: asyncio.BaseTransport) -> None:
         transport.write(_REFUSED)  # type: ignore[attr-defined]
@@ -204,6 +241,7 @@ class _GuardedProtocol(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.stop_head_timer()  # nothing to time any more
         self._guard.fresh.discard(self)
+        self._guard.kept.discard(self)
         if not self._counted:
             return
         self._counted = False
@@ -215,9 +253,17 @@ class _GuardedProtocol(RequestHandler):
 
     def close(self) -> None:
         """A shutdown's close: one that has not sent a byte yet is closed after its first
-        response instead (module doc)."""
+        response instead, one answering now after its next (module doc: `kept`)."""
         if self in self._guard.fresh:
             self._close_after_first = True
+            return
+        if self._counted and not self._force_close and not self._close:
+            # answering (its head may have said keep-alive), or idle between requests (the next
+            # may be on its way): closed after the next answer, which says Connection: close
+            # (aiohttp ends a connection after such an answer), or by `linger` if none comes.
+            # Not by marking it closed now: a next request that arrives while the current
+            # answer's handler is still returning would be queued, then dropped unanswered.
+            self._guard.kept.add(self)
             return
         super().close()
 
@@ -237,20 +283,20 @@ class _GuardedProtocol(RequestHandler):
                 self._close = True
             return
         super().data_received(data)
-        if self._close_after_first and not self._awaiting_request():
+        if self._close_after_first and not self.awaiting_request():
             # its first request is parsed (start() has it): served, then the connection closes
             self._close_after_first = False
             super().close()
         # Still waiting after these bytes: they began a keep-alive request's head but did
         # not complete it. (Checked after parsing: a head that arrives whole, the usual
         # case, costs no timer.)
-        if self._head_timer is None and self._awaiting_request():
+        if self._head_timer is None and self.awaiting_request():
             self._arm_head_timer()
 
     def _body_arriving(self) -> bool:
         """Whether a request whose head was parsed still waits for body bytes: the one being
         handled, or one parsed and queued for start()."""
-        # aiohttp's own fields (RequestHandler.start and data_received), read as _awaiting_request
+        # aiohttp's own fields (RequestHandler.start and data_received), read as awaiting_request
         # reads _waiter
         request = getattr(self, "_current_request", None)
         if request is not None and not request.content.is_eof():
@@ -265,7 +311,7 @@ class _GuardedProtocol(RequestHandler):
     def _arm_head_timer(self) -> None:
         self._head_timer = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_expired)
 
-    def _awaiting_request(self) -> bool:
+    def awaiting_request(self) -> bool:
         # aiohttp's own idle test (RequestHandler._process_keepalive): between requests its
         # start() loop waits on _waiter until the parser completes the next head. Not
         # waiting: a request is being handled, or a complete head is queued behind it.
@@ -274,7 +320,7 @@ class _GuardedProtocol(RequestHandler):
 
     def _head_expired(self) -> None:
         self._head_timer = None
-        if not self._awaiting_request():
+        if not self.awaiting_request():
             return
         transport = self.transport
         if transport is not None:

@@ -178,7 +178,8 @@ class EmbeddedProxy:
             from orchestrator.dataplane.openai_frontend import OpenAIFrontend, ProxyPath
             self._openai = OpenAIFrontend(settings, ProxyPath(
                 read_body=self._read_body, forward=self._forward, settle=self._settle,
-                fail=self._upstream_failed, retry=_Retryable, metrics=self.metrics), self._log)
+                fail=self._upstream_failed, retry=_Retryable, metrics=self.metrics,
+                stopping=lambda: self._stopping), self._log)
         self.apply_settings(settings)
         self._pool: UpstreamPool | None = None
         self._runner: web.ServerRunner | None = None
@@ -288,9 +289,9 @@ class EmbeddedProxy:
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
         self._hold.close()  # held requests get their 503 now
-        # 1. stop accepting; idle keep-alive connections close now, busy ones after
-        #    their current response, those accepted but silent after their first
-        #    (client_guard.py: their request may be in the socket unread).
+        # 1. stop accepting; every connection closes after its next response (those accepted
+        #    but silent, or kept alive, get a moment for a next request: client_guard.py, it may
+        #    be in the socket unread), answers from now on saying Connection: close.
         for runner in (self._runner, self._metrics_runner):
             if runner is not None:
                 for site in list(runner.sites):
@@ -303,7 +304,10 @@ class EmbeddedProxy:
             if self._front is not None else None
         # together: each may wait the whole first-request grace
         await asyncio.gather(*(server.settle(min(FIRST_REQUEST_GRACE_S, max(grace_s, 0))) for server in self._servers))
-        # 2. let in-flight requests finish, up to the grace.
+        # 2. let in-flight requests finish, up to the grace; meanwhile the connections kept
+        #    open past their answer get the first-request grace for a next one (client_guard.py)
+        until = asyncio.get_running_loop().time() + max(grace_s, 0)
+        lingering = asyncio.gather(*(server.linger(FIRST_REQUEST_GRACE_S, until) for server in self._servers))
         if self._handlers:
             _, pending = await asyncio.wait(list(self._handlers), timeout=max(grace_s, 0))
             # 3. cancel the rest: their upstream responses close, so Triton cancels them.
@@ -318,6 +322,7 @@ class EmbeddedProxy:
                                       now - began, awaiting(t))
                     t.cancel()
                 await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
+        await lingering
         if front_stop is not None:
             await front_stop
         await self._close_all()
@@ -395,7 +400,9 @@ class EmbeddedProxy:
             self._handlers.pop(task, None)
             if self._tally is not None:
                 self._tally()
-        if self._stopping and not resp.prepared:
+        if self._stopping and not resp.prepared and not isinstance(resp, RelayedResponse):
+            # (a relayed answer's head went out as the relay built it, keep-alive or not: closed
+            # after a head that said keep-alive, the client's next request would fail)
             resp.force_close()
         return resp
 

@@ -69,6 +69,9 @@ class ProxyPath:
     fail: Callable[[Backend, str], None]  # an upstream failure that counts against the instance
     retry: Callable[..., Exception]  # retry(reason, blame=False): raise it before the first byte
     metrics: ProxyMetrics
+    # whether the proxy stops: a stream committed now says Connection: close (the connection
+    # closes after it; a head that said keep-alive would send the client's next request to it)
+    stopping: Callable[[], bool]
 
 
 @dataclass
@@ -372,6 +375,8 @@ class OpenAIFrontend:
         """Write chunks, committing the stream first if needed; None if the client left before it."""
         if resp is None:
             resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            if self._path.stopping():
+                resp.force_close()
             self._metrics.count(iid, 200)
             try:
                 await resp.prepare(request)

@@ -160,7 +160,7 @@ static long long connect_ms, idle_ms; /* the instance's: to connect, and between
 static long long first_byte_ms;       /* the instance's answer head after the attempt began; 0: none */
 static double itl_bounds[MAX_ITL];    /* the inter-token histogram's upper bounds (metrics.py's), +Inf after */
 static int n_itl;
-static int draining;                  /* stopping: no connection is kept after its answer */
+static int draining;                  /* stopping: a request parsed from now on is answered with close */
 static client_t *clients; /* every open client */
 static long n_open;       /* their number */
 static int in_batch;      /* handling events or a sweep: abort() and the like would act under it */
@@ -361,8 +361,13 @@ static void request_done(client_t *c) {
     c->up = NULL;
     c->tries = 0;
     c->fwd_len = c->fwd_base = 0;
-    if (c->close_after || draining) { client_close(c); return; }
-    set_phase(c, rest ? P_HEAD : P_IDLE);
+    if (c->close_after) { client_close(c); return; }
+    /* Draining, and this answer's head went out before the drain as kept alive: the client may be
+       sending its next request already. Closed now, that request would fail (a broken pipe or a
+       reset: the keep-alive race a graceful NGINX stop leaves; bench/chaos_soak.py saw it at each
+       reload that stopped a worker). It waits as a fresh connection does (stop's first-request
+       grace) and its next request is answered, with Connection: close (try_request). */
+    set_phase(c, rest || draining ? P_HEAD : P_IDLE);
     if (rest) try_request(c);  /* pipelined */
 }
 
@@ -1609,16 +1614,14 @@ static PyObject *abort_instance(PyObject *self, PyObject *args) {
     return PyLong_FromLong(n);
 }
 
-/* drain(): stopping. Idle kept connections close now; every other closes after its answer, which
- * says Connection: close where its head is still to come. */
+/* drain(): stopping. Every connection closes after its next answer, which says Connection: close
+ * where its head is still to come; an idle kept one waits for that request as a fresh one does (its
+ * client may be sending it now: closed, it would fail), and stop() closes what stays silent. */
 static PyObject *drain(PyObject *self, PyObject *unused) {
     if (!outside_batch()) return NULL;
     draining = 1;
-    for (client_t *c = clients, *next; c != NULL; c = next) {
-        next = c->next;
-        if (c->phase == P_IDLE) client_close(c);
-    }
-    flush_dead();
+    for (client_t *c = clients; c != NULL; c = c->next)
+        if (c->phase == P_IDLE) set_phase(c, P_HEAD);
     Py_RETURN_NONE;
 }
 

@@ -198,17 +198,24 @@ class Front:
         return 0 if slot < 0 else NATIVE.abort(slot, answering)
 
     async def stop(self, grace_s: float, first_request_s: float) -> None:
-        """Kept connections close now, the others after their answer; a connection accepted but
-        silent gets `first_request_s` for its first request (it may be on the way: closed
-        unread, the client would see a reset), as GuardedServer.settle gives aiohttp's; what
-        still runs after `grace_s` is cut (release: outcome cut, so the instances see the
-        cancel)."""
+        """Every connection closes after its next answer, which says Connection: close where its
+        head is still to come. One with nothing on the way (accepted but silent, kept alive
+        between requests, or its answer ended kept alive since) gets `first_request_s` for that
+        request (it may be in flight: closed unread, the client would see a reset or a broken
+        pipe), as GuardedServer.settle gives aiohttp's; what still runs after `grace_s` is cut
+        (release: outcome cut, so the instances see the cancel)."""
         NATIVE.drain()
         began = time.monotonic()
-        deadline, fresh_deadline = began + max(grace_s, 0.0), began + min(first_request_s, max(grace_s, 0.0))
+        deadline = began + max(grace_s, 0.0)
+        fresh_deadline = min(began + first_request_s, deadline)
+        busy = None
         while time.monotonic() < deadline:
             now = NATIVE.stats()
-            if not now["busy"] and (not now["fresh"] or time.monotonic() >= fresh_deadline):
+            if busy is not None and now["busy"] < busy:
+                # answers ended: their connections wait for a next request from now
+                fresh_deadline = min(time.monotonic() + first_request_s, deadline)
+            busy = now["busy"]
+            if not busy and (not now["fresh"] or time.monotonic() >= fresh_deadline):
                 break
             await asyncio.sleep(STOP_POLL_S)
         busy = NATIVE.stats()["busy"]
