@@ -23,6 +23,14 @@ def test_a_chunked_keep_alive_answer_to_http_1_1():
     assert head[2:] == ["Content-Type: text/event-stream", "Transfer-Encoding: chunked"]
 
 
+def test_the_instances_own_date_is_kept_and_not_doubled():
+    # Triton sends none; an instance that does (any HTTP server in front of one) keeps its own:
+    # two Date lines make an invalid answer (RFC 9110: one value). The compiled front's rule too.
+    head = lines(response_head(200, "OK", CIMultiDict({"Date": "Sun, 29 Nov 2026 10:00:00 GMT"}), version=(1, 1),
+                               framed=True, keep_alive=True))
+    assert [h for h in head if h.startswith("Date: ")] == ["Date: Sun, 29 Nov 2026 10:00:00 GMT"]
+
+
 def test_connection_is_said_only_where_the_version_default_differs():
     h11_close = lines(response_head(502, "Bad Gateway", CIMultiDict(), version=(1, 1), framed=False,
                                     keep_alive=False))

@@ -35,8 +35,9 @@ def response_head(status: int, reason: str, headers: CIMultiDict[str], *, versio
     headers.client_response_headers); `framed`: the body goes chunked; `keep_alive`: whether
     the connection stays open after this response (said explicitly where the version's
     default differs)."""
-    lines = [b"HTTP/%d.%d %d %s\r\n" % (version[0], version[1], status, reason.encode("latin-1", "replace")),
-             _date_line()]
+    lines = [b"HTTP/%d.%d %d %s\r\n" % (version[0], version[1], status, reason.encode("latin-1", "replace"))]
+    if "Date" not in headers:  # the instance's own, where it sent one (one Date: RFC 9110; the front's rule too)
+        lines.append(_date_line())
     lines += [f"{k}: {v}\r\n".encode("utf-8", "surrogateescape") for k, v in headers.items()]
     if framed:
         lines.append(b"Transfer-Encoding: chunked\r\n")
