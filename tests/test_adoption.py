@@ -85,3 +85,19 @@ def test_workers_serving_other_addresses_are_not_adopted():
                                             "workers": [{"slot": 0, "pid": me.pid, "create_time": me.create_time()}]}}
     prior = find_prior(state, [PLAN], build, "/x", LISTEN)
     assert prior.workers == [] and "data plane: not adopted: it serves" in prior.notes[0]
+
+
+def test_restart_counts_carry_over_adopted_or_not_slurm_too():
+    # `status` counts the service's restarts, not this daemon's: a watchdog's restart of the
+    # daemon showed every count at 0 (bench/chaos_soak.py). Carried for the instances planned,
+    # whether the group is adopted, relaunched (its pid gone) or under Slurm.
+    adopted = find_prior(record(restarts=3), [PLAN], build, "/x", LISTEN)
+    assert adopted.restarts == {"0": 3}
+    gone = find_prior(record(restarts=2, mpirun_create_time=psutil.Process().create_time() - 100), [PLAN], build,
+                      "/x", LISTEN)
+    assert gone.instances == {} and gone.restarts == {"0": 2}
+    assert find_prior(record(restarts=4), [PLAN], build, "/x", LISTEN, local_launcher=False).restarts == {"0": 4}
+    other = {"instances": {"7": {"restarts": 5}}}  # not in this plan: nothing to count it for
+    assert find_prior(other, [PLAN], build, "/x", LISTEN).restarts == {}
+    for bad in ("3", True, None):
+        assert find_prior(record(restarts=bad), [PLAN], build, "/x", LISTEN).restarts == {}

@@ -64,6 +64,9 @@ class Prior:
     instances: dict[str, Adoptable] = field(default_factory=dict)
     workers: list[AdoptableWorker] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # instance id -> its restarts under the daemons before, adopted or not: `status` counts the
+    # service's, not this daemon's (a watchdog's restart of the daemon showed every count at 0)
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def keep_pids(self) -> set[int]:
         keep = {w.pid for w in self.workers}
@@ -82,11 +85,14 @@ def find_prior(state: dict[str, Any] | None, plans: Iterable[InstancePlan],
     if not isinstance(state, dict) or not isinstance(state.get("instances", {}), dict):
         prior.notes.append("state.json unreadable: adopting nothing (its processes are swept by tag)")
         return prior
+    by_id = {p.instance_id: p for p in plans}
+    for iid, record in state.get("instances", {}).items():
+        if isinstance(record, dict) and type(record.get("restarts")) is int and iid in by_id:
+            prior.restarts[iid] = max(0, record["restarts"])
     if not local_launcher:
         if state.get("instances"):
             prior.notes.append("Slurm groups are relaunched, not adopted (srun died with the daemon)")
         return prior
-    by_id = {p.instance_id: p for p in plans}
     for iid, record in state.get("instances", {}).items():
         why = _instance_mismatch(iid, record, by_id.get(iid), build_command, state_dir)
         if isinstance(why, Adoptable):

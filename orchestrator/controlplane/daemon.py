@@ -140,8 +140,9 @@ class Daemon:
                                         connector=aiohttp.TCPConnector(limit=0, force_close=False))
         self._shared = self._make_shared(watcher, session)
         for inst_plan in self.plan.instances:
-            self.instances[inst_plan.instance_id] = Instance(inst_plan, self._shared, self._instance_changed,
-                                                             adopt=self._prior.instances.get(inst_plan.instance_id))
+            inst = self.instances[inst_plan.instance_id] = Instance(
+                inst_plan, self._shared, self._instance_changed, adopt=self._prior.instances.get(inst_plan.instance_id))
+            inst.restarts = self._prior.restarts.get(inst_plan.instance_id, 0)
         control = ControlServer(self, self.state_dir.socket_path)
         # The daemon owns every task it starts here and stops each one below.
         background = [loop.create_task(self._watchdog_loop(), name="watchdog"),

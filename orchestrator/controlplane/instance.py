@@ -178,7 +178,7 @@ class Instance:
                 "mpirun_create_time": self.group.mpirun_create_time,
                 # What the next daemon compares before it adopts the group (live restore).
                 "launch": cmd.shell_text() if cmd is not None else None,
-                "started_by": self.group.started_by, "tp": self.plan.tp,
+                "started_by": self.group.started_by, "tp": self.plan.tp, "restarts": self.restarts,
                 "pids": self.group.pids, "gpus": list(self.plan.gpus),
                 "ports": list(self.plan.ports.all())}
 
