@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import machine, table, write_result_md
+from bench.common import bars, machine, table, write_result_md
 from tests.harness import DEMO_REPO, Run, tagged
 
 sys.path.insert(0, str(DEMO_REPO / "tensorrt_llm" / "1"))
@@ -367,16 +367,13 @@ def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients
 
 
 def plot(result: dict[str, Any], plt: Any) -> Any:
-    """Answers and failures per fault kind, with the findings."""
+    """Per fault kind: how many were applied, and the failed answers owed to them."""
     fig, ax = plt.subplots(figsize=(8, 3.2))
     kinds = list(result["fault_counts"])
-    ax.bar(kinds, [result["fault_counts"][k] for k in kinds], color="tab:gray", label="faults applied")
-    ax.bar(kinds, [result["owed"].get(k, 0) for k in kinds], color="tab:orange", alpha=0.8,
-           label="failed answers owed to them")
-    ax.set_title(f"chaos soak, seed {result['seed']}: {result['answers']} answers, {result['failed']} failed, "
-                 f"{result['unexplained']} unexplained, {len(result['leaked_pids'])} left", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
+    bars(ax, kinds, {"faults applied": [result["fault_counts"][k] for k in kinds],
+                     "failed answers owed to them": [result["owed"].get(k, 0) for k in kinds]},
+         ylabel="count", title=f"chaos soak, seed {result['seed']}: {result['answers']} answers, {result['failed']} "
+                               f"failed, {result['unexplained']} unexplained, {len(result['leaked_pids'])} left")
     fig.tight_layout()
     return fig
 

@@ -16,7 +16,7 @@ from bench.common import write_plot
 
 BENCHES = ("proxy_bench", "failover_bench", "rolling_bench", "startup_bench", "routing_bench",
            "openai_bench", "dataplane_bench", "routing_sim", "live_restore_bench", "accept_spread",
-           "sustained_load", "decision_cost", "decision_cost_ab", "routing_verdict", "summary_stall")
+           "sustained_load", "decision_cost", "decision_cost_ab", "routing_verdict", "summary_stall", "chaos_soak")
 
 
 def plot_file(path: Path) -> Path | None:

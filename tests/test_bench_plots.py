@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib", reason="the `bench` extra (scripts/bootstrap i
 RESULTS = REPO / "bench" / "results"
 BENCHES = ("proxy_bench", "failover_bench", "rolling_bench", "startup_bench", "routing_bench", "openai_bench",
            "dataplane_bench", "live_restore_bench", "routing_sim", "accept_spread", "sustained_load", "decision_cost",
-           "decision_cost_ab", "summary_stall")
+           "decision_cost_ab", "summary_stall", "chaos_soak")
 
 
 @pytest.mark.parametrize("bench", BENCHES)
