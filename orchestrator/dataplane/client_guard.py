@@ -138,8 +138,8 @@ class GuardedServer(web.Server):
         # Accepted connections that have not sent a byte yet (their first request may be on
         # the way): a shutdown closes them after it (module doc).
         self.fresh: set["_GuardedProtocol"] = set()
-        # Connections busy at the shutdown, kept open after their answer for one more request
-        # (module doc): `linger` waits for them.
+        # Connections answering or idle between requests at the shutdown, kept open for one
+        # more request (module doc): `linger` waits for them.
         self.kept: set["_GuardedProtocol"] = set()
         self._refusals = _Throttled(log, logging.WARNING)
         self._cuts = _Throttled(log, logging.INFO)
