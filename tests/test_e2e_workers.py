@@ -281,7 +281,7 @@ def test_a_reload_that_stops_workers_fails_nothing_on_kept_connections(orch_run,
     answered with Connection: close; the client then connects again (to a worker that stays).
     Closed right after its answer instead (an answer whose head went out before the stop said
     keep-alive), the next request failed with a broken pipe or a reset: bench/chaos_soak.py saw
-    it at each reload that stopped a worker (the keep-alive race NGINX's graceful stop leaves)."""
+    it at a reload that stopped a worker (the keep-alive race NGINX's graceful stop leaves)."""
     from bench.chaos_soak import KINDS, Client
     config = tmp_path / "orch.toml"
     config.write_text(f'proxy-workers = "3"\nfront = "{front}"\n')

@@ -360,7 +360,7 @@ STREAM = (b"POST /v2/models/m/generate_stream HTTP/1.1\r\nHost: t\r\nContent-Len
 async def test_a_kept_connection_gets_its_next_request_answered_with_close_at_a_stop(connection):
     # A stop closes every connection after its next answer. "answering": a stream whose head went
     # out kept alive before the stop; closed when it ended, the request its client sends right
-    # after failed with a broken pipe (bench/chaos_soak.py at each reload that stopped a worker).
+    # after failed with a broken pipe (bench/chaos_soak.py, at a reload that stopped a worker).
     # "idle": between two requests of a kept connection at the stop, the next possibly on its way.
     # Either way the next request is answered, saying Connection: close, and the connection closes.
     s = await StreamingStack().start(front="aiohttp")

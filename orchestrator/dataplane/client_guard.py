@@ -29,7 +29,7 @@ this; `GuardedServer` (a drop-in for aiohttp's low-level `web.Server`) adds:
 - the next request of a connection busy at shutdown. An answer whose head went out before the
   stop says keep-alive, and its client may send the next request the moment it ends: closed
   then, that request fails (a broken pipe or a reset: bench/chaos_soak.py's streaming clients
-  at each reload that stopped a worker; NGINX's graceful stop leaves the same race). Such a
+  at a reload that stopped a worker; NGINX's graceful stop leaves the same race). Such a
   connection stays open after the answer (`kept`), and `linger` gives it the first request's
   grace for its next request, answered with Connection: close (the proxy's answers say close
   once it stops), then closes it. A connection idle between requests at the shutdown is kept

@@ -364,7 +364,7 @@ static void request_done(client_t *c) {
     if (c->close_after) { client_close(c); return; }
     /* Draining, and this answer's head went out before the drain as kept alive: the client may be
        sending its next request already. Closed now, that request would fail (a broken pipe or a
-       reset: the keep-alive race a graceful NGINX stop leaves; bench/chaos_soak.py saw it at each
+       reset: the keep-alive race a graceful NGINX stop leaves; bench/chaos_soak.py found it at a
        reload that stopped a worker). It waits as a fresh connection does (stop's first-request
        grace) and its next request is answered, with Connection: close (try_request). */
     set_phase(c, rest || draining ? P_HEAD : P_IDLE);
