@@ -37,8 +37,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -216,39 +216,51 @@ class Chaos:
 
     def apply(self, kind: str) -> dict[str, Any] | None:
         st = _status(self.run)
+        # who holds each client connection now: a worker kill owes what fails on its connections
         ports = _ports_by_worker(st, self.run.listen_port)
         t = time.time()
-        if kind == "worker":
-            pool = [w for w in st["proxies"][0]["workers"] if w.get("alive")]
-            if not pool:
-                return None
-            victim = self.rng.choice(pool)
-            os.kill(victim["pid"], signal.SIGKILL)
-            return {"t": t, "pid": victim["pid"], "ports": sorted(p for p, w in ports.items() if w == victim["pid"])}
-        if kind in ("engine", "hang"):
-            ready = [i for i in st["instances"] if i["state"] == "READY"]
-            ranks = [(i["id"], r) for i in ready for r in _ranks(i)]
-            if not ranks:
-                return None
-            iid, rank = self.rng.choice(ranks)
-            rank.send_signal(signal.SIGKILL if kind == "engine" else signal.SIGSTOP)
-            return {"t": t, "instance": iid, "pid": rank.pid}
-        if kind == "daemon":
-            pid = st["daemon"]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            if self.run.proc is not None and self.run.proc.pid == pid:
-                self.run.proc.wait(timeout=10)
-            time.sleep(0.5)
-            self.daemons += 1
-            self.run.log_path = self.tmp / f"daemon-{self.daemons}.log"  # each daemon's own log
-            self.run.start(wait_ready=False)
-            return {"t": t, "pid": pid, "new_pid": self.run.proc.pid if self.run.proc else None}
-        # reload: the other worker count; the workers a smaller pool stops drain their connections
+        done = getattr(self, f"_{kind}")(st, ports)
+        return None if done is None else {"t": t, "kind": kind, **done}
+
+    def _worker(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any] | None:
+        pool = [w for w in st["proxies"][0]["workers"] if w.get("alive")]
+        if not pool:
+            return None
+        victim = self.rng.choice(pool)
+        os.kill(victim["pid"], signal.SIGKILL)
+        return {"pid": victim["pid"], "ports": sorted(p for p, w in ports.items() if w == victim["pid"])}
+
+    def _rank(self, st: dict[str, Any], sig: int) -> dict[str, Any] | None:
+        ranks = [(i["id"], r) for i in st["instances"] if i["state"] == "READY" for r in _ranks(i)]
+        if not ranks:
+            return None
+        iid, rank = self.rng.choice(ranks)
+        rank.send_signal(sig)
+        return {"instance": iid, "pid": rank.pid}
+
+    def _engine(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any] | None:
+        return self._rank(st, signal.SIGKILL)
+
+    def _hang(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any] | None:
+        return self._rank(st, signal.SIGSTOP)  # left stopped: the daemon's detection must end it
+
+    def _daemon(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any]:
+        pid = st["daemon"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        if self.run.proc is not None and self.run.proc.pid == pid:
+            self.run.proc.wait(timeout=10)
+        time.sleep(0.5)  # a supervisor's restart delay
+        self.daemons += 1
+        self.run.log_path = self.tmp / f"daemon-{self.daemons}.log"  # each daemon's own log
+        self.run.start(wait_ready=False)
+        return {"pid": pid, "new_pid": self.run.proc.pid if self.run.proc else None}
+
+    def _reload(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any]:
+        # the other worker count: a smaller pool drains the workers it stops
         self.workers = 5 - self.workers
         self.config.write_text(f'proxy-workers = "{self.workers}"\n')
         out = self.run.cli("reload", "--state-dir", str(self.run.state_dir))
-        return {"t": t, "workers": self.workers, "rc": out.returncode, "ports": ports,
-                "error": out.stderr.strip()[-300:] if out.returncode else ""}
+        return {"workers": self.workers, "rc": out.returncode, "error": out.stderr.strip()[-300:] if out.returncode else ""}
 
 
 def owed(rec: dict[str, Any], faults: list[dict[str, Any]]) -> str | None:
@@ -323,7 +335,6 @@ def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients
             kind = rng.choice(faults)
             done = chaos.apply(kind)
             if done is not None:
-                done["kind"] = kind
                 done["at_s"] = round(done["t"] - t_start, 2)
                 applied.append(done)
                 print(f"  {done['at_s']:6.2f} s  {kind:7s} {({k: v for k, v in done.items() if k in ('pid', 'instance', 'workers', 'rc')})}",
@@ -348,6 +359,9 @@ def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients
             else:
                 by_owner[owner] = by_owner.get(owner, 0) + 1
                 owed_list.append({**brief, "owed_to": owner})
+        for f in applied:
+            if f["kind"] == "reload" and f["rc"] != 0:
+                findings.append({"kind": "reload", "error": f["error"], "t0_s": f["at_s"]})  # refused or failed
         counts = {k: sum(1 for r in records if r["kind"] == k) for k in KINDS}
         out.update({
             "answers": len(records), "by_kind": counts, "failed": len(failed), "owed": by_owner,
