@@ -216,19 +216,20 @@ class Chaos:
 
     def apply(self, kind: str) -> dict[str, Any] | None:
         st = _status(self.run)
-        # who holds each client connection now: a worker kill owes what fails on its connections
-        ports = _ports_by_worker(st, self.run.listen_port)
         t = time.time()
-        done = getattr(self, f"_{kind}")(st, ports)
+        done = getattr(self, f"_{kind}")(st)
         return None if done is None else {"t": t, "kind": kind, **done}
 
-    def _worker(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any] | None:
+    def _worker(self, st: dict[str, Any]) -> dict[str, Any] | None:
         pool = [w for w in st["proxies"][0]["workers"] if w.get("alive")]
         if not pool:
             return None
         victim = self.rng.choice(pool)
+        # who holds each client connection now: the kill owes what fails on the victim's
+        ports = _ports_by_worker(st, self.run.listen_port)
+        t = time.time()
         os.kill(victim["pid"], signal.SIGKILL)
-        return {"pid": victim["pid"], "ports": sorted(p for p, w in ports.items() if w == victim["pid"])}
+        return {"t": t, "pid": victim["pid"], "ports": sorted(p for p, w in ports.items() if w == victim["pid"])}
 
     def _rank(self, st: dict[str, Any], sig: int) -> dict[str, Any] | None:
         ranks = [(i["id"], r) for i in st["instances"] if i["state"] == "READY" for r in _ranks(i)]
@@ -238,13 +239,13 @@ class Chaos:
         rank.send_signal(sig)
         return {"instance": iid, "pid": rank.pid}
 
-    def _engine(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any] | None:
+    def _engine(self, st: dict[str, Any]) -> dict[str, Any] | None:
         return self._rank(st, signal.SIGKILL)
 
-    def _hang(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any] | None:
+    def _hang(self, st: dict[str, Any]) -> dict[str, Any] | None:
         return self._rank(st, signal.SIGSTOP)  # left stopped: the daemon's detection must end it
 
-    def _daemon(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any]:
+    def _daemon(self, st: dict[str, Any]) -> dict[str, Any]:
         pid = st["daemon"]["pid"]
         os.kill(pid, signal.SIGKILL)
         if self.run.proc is not None and self.run.proc.pid == pid:
@@ -255,7 +256,7 @@ class Chaos:
         self.run.start(wait_ready=False)
         return {"pid": pid, "new_pid": self.run.proc.pid if self.run.proc else None}
 
-    def _reload(self, st: dict[str, Any], ports: dict[int, int]) -> dict[str, Any]:
+    def _reload(self, st: dict[str, Any]) -> dict[str, Any]:
         # the other worker count: a smaller pool drains the workers it stops
         self.workers = 5 - self.workers
         self.config.write_text(f'proxy-workers = "{self.workers}"\n')
@@ -296,18 +297,16 @@ def _plan_processes(run: Run, st: dict[str, Any]) -> dict[str, Any]:
     listed = {pid for i in st["instances"] for pid in i.get("pids", [])}
     listed |= {w["pid"] for p in st["proxies"] for w in p["workers"] if w.get("pid")}
     listed.add(st["daemon"]["pid"])
-    extra = []
+    extra, servers = [], 0
     for p in tagged(run.state_dir):
-        if p.pid in listed:
-            continue
         try:
+            servers += p.name() == "tritonserver"
             # a child of a listed process (a rank's Python stubs, an mpirun's daemon) is accounted for
-            if any(a.pid in listed for a in p.parents()):
+            if p.pid in listed or any(a.pid in listed for a in p.parents()):
                 continue
             extra.append(f"{p.pid} {p.name()} {' '.join(p.cmdline()[:3])}")
         except psutil.Error:
             continue
-    servers = sum(1 for p in tagged(run.state_dir) if p.name() == "tritonserver")
     return {"unlisted": extra, "tritonservers": servers}
 
 
