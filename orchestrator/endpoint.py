@@ -36,13 +36,14 @@ def check_front(settings: Settings) -> None:
 
 def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *,
                  planned: tuple[Backend, ...] = (), on_change: Callable[[], None] | None = None,
-                 adopt: list[Any] | None = None) -> list[Any]:
+                 adopt: list[Any] | None = None, adopt_nginx: Any = None) -> list[Any]:
     """The proxies for `--proxy`; each has start(), stop(grace_s), inflight(), pids().
 
     planned: every instance of the plan (nginx lists them all, ready or not).
     on_change: called when a proxy's own state changes (nginx restarted its master), so
     the daemon can rewrite state.json and tell systemd; proxies may also have status().
-    adopt: data-plane workers a previous daemon left serving (live restore).
+    adopt: data-plane workers a previous daemon left serving (live restore); adopt_nginx: its
+    NGINX master (controlplane/adoption.AdoptableNginx), the same for `--proxy nginx`.
     """
     logger = logging.getLogger("trtllm-orch.proxy")
     if settings.proxy == "none":
@@ -53,7 +54,8 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
         return []
     if settings.proxy == "nginx":
         from orchestrator.nginx.proxy import NginxProxy
-        return [NginxProxy(settings, backends, state_dir, logger, planned=planned, on_change=on_change)]
+        return [NginxProxy(settings, backends, state_dir, logger, planned=planned, on_change=on_change,
+                           adopt=adopt_nginx)]
     # The embedded proxy runs in worker processes beside the daemon (the data plane):
     # the daemon's own crash, GC pause or upgrade touches no client connection.
     from orchestrator.controlplane.workers import WorkerPool

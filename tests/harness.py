@@ -88,6 +88,20 @@ def tagged(state_dir: Path) -> list[psutil.Process]:
     return out
 
 
+def nginx_processes(state_dir: Path) -> list[psutil.Process]:
+    """A managed NGINX of `state_dir` (`--proxy nginx`): masters started with its prefix, and their
+    workers. Not `tagged`: nginx clears its workers' environment and retitles the master."""
+    prefix = str(state_dir / "nginx")
+    out: list[psutil.Process] = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if prefix in " ".join(proc.info["cmdline"] or []).split() and proc.status() != psutil.STATUS_ZOMBIE:
+                out += [proc, *(c for c in proc.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE)]
+        except psutil.Error:
+            continue
+    return out
+
+
 def daemons(state_dir: Path) -> list[psutil.Process]:
     """Daemons (`up`) serving `state_dir`, however started: one that `upgrade` started carries no
     tag in its environment (what the daemon starts does), only the directory on its command line."""
@@ -227,7 +241,7 @@ class Run:
         own = self.proc.pid if self.proc is not None else None
         # (`down` returns once the daemon's process is gone: one still here was not stopped)
         strays = [d for d in daemons(self.state_dir) if d.pid != own]
-        leaked = strays + tagged(self.state_dir)
+        leaked = strays + tagged(self.state_dir) + nginx_processes(self.state_dir)
         for p in leaked:
             try:
                 p.send_signal(signal.SIGKILL)

@@ -101,3 +101,26 @@ def test_restart_counts_carry_over_adopted_or_not_slurm_too():
     assert find_prior(other, [PLAN], build, "/x", LISTEN).restarts == {}
     for bad in ("3", True, None):
         assert find_prior(record(restarts=bad), [PLAN], build, "/x", LISTEN).restarts == {}
+
+
+def nginx_record(**kw) -> dict:
+    me = psutil.Process()
+    master = {"pid": me.pid, "create_time": me.create_time(), "prefix": "/x/nginx", "http_port": 8080,
+              "grpc_port": None, "openai_port": 0}
+    return {"instances": {}, "dataplane": {"listen": LISTEN, "nginx": {**master, **kw}}}
+
+
+@pytest.mark.parametrize("state, note", [
+    ({"instances": {}, "dataplane": {"listen": {**LISTEN, "listen": "0.0.0.0:9"}, "nginx": {"pid": 1}}},
+     "nginx: not adopted: it serves"),
+    (nginx_record(http_port="x"), "nginx: its record is incomplete: not adopted"),
+    (nginx_record(create_time=0.0), f"nginx: master pid {os.getpid()} is gone"),
+    # alive and recorded, but not an nginx master started with this state dir's prefix (this test)
+    (nginx_record(), f"nginx: pid {os.getpid()} is not this state dir's nginx master"),
+    (nginx_record(prefix="/elsewhere/nginx"), "is not this state dir's nginx master"),
+])
+def test_an_nginx_master_is_adopted_only_if_it_is_this_runs_and_serves_the_same_addresses(state, note):
+    # (a real master is adopted end to end: tests/test_e2e_nginx_live_restore.py)
+    prior = find_prior(state, [PLAN], build, "/x", LISTEN)
+    assert prior.nginx is None and os.getpid() not in prior.keep_pids()
+    assert any(note in n for n in prior.notes), prior.notes

@@ -112,6 +112,29 @@ def kill_daemon(run) -> None:
     run.proc.wait(timeout=10)
 
 
+def kill_and_up_under_load(run, clients: list) -> tuple[Load, float]:
+    """HTTP load (2 threads) and `clients` running: kill -9 of the daemon, 2 s without one
+    (something must be served then), the same `up` on the same state directory, 1 s more.
+    Returns the load and how long the new `up` took to be ready."""
+    with Load(run, threads=2) as load:
+        for c in clients:
+            c.start()
+        time.sleep(1.0)
+        kill_daemon(run)
+        served_at_kill = load.ok
+        time.sleep(2.0)  # no daemon: the data plane and the engines serve on their own
+        assert load.ok > served_at_kill, "nothing was served while the daemon was away"
+        t0 = time.monotonic()
+        run.start()
+        adopted_in = time.monotonic() - t0
+        time.sleep(1.0)
+        for c in clients:
+            c.stop.set()
+    for c in clients:
+        c.join(60)
+    return load, adopted_in
+
+
 @pytest.mark.parametrize("front", ["aiohttp", "compiled"])
 def test_kill_9_of_the_daemon_under_load_loses_nothing_and_the_next_up_adopts(orch_run, front):
     """With the compiled front too: its streams, the gRPC, OpenAI (handed to aiohttp) and native
@@ -120,22 +143,7 @@ def test_kill_9_of_the_daemon_under_load_loses_nothing_and_the_next_up_adopts(or
     before = run.status()
     engines, workers = engine_pids(before), worker_pids(before)
     clients = [Streams(run), Streams(run), grpc_client(run), openai_client(run)]
-    with Load(run, threads=2) as load:
-        for c in clients:
-            c.start()
-        time.sleep(1.0)
-        kill_daemon(run)
-        served_at_kill = load.ok
-        time.sleep(2.0)  # no daemon: the workers and the engines serve on their own
-        assert load.ok > served_at_kill, "nothing was served while the daemon was away"
-        t0 = time.monotonic()
-        run.start()  # the same `up`, same state directory
-        adopted_in = time.monotonic() - t0
-        time.sleep(1.0)
-        for c in clients:
-            c.stop.set()
-    for c in clients:
-        c.join(60)
+    load, adopted_in = kill_and_up_under_load(run, clients)
     after = run.status()
     streams, grpc_loop, openai_loop = clients[:2], clients[2], clients[3]
     assert load.failures == [], load.failures[:5]

@@ -11,7 +11,9 @@ the same thing it would start now:
                       the command this config builds now (model repository, tritonserver
                       arguments, GPUs, ports: all in the command text), every rank alive;
   a data-plane worker alive with the recorded start time, tagged as this state dir's
-                      data plane, serving the same public addresses.
+                      data plane, serving the same public addresses;
+  an NGINX master     (--proxy nginx) alive with the recorded start time, running with
+                      this state dir's nginx prefix, serving the same public addresses.
 
 What does not match is stopped by the usual sweep and started fresh (a changed config,
 a half-dead group with a rank gone). Decisions are logged one line each. A state file
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -57,12 +60,22 @@ class AdoptableWorker:
     version: str
 
 
+@dataclass(frozen=True)
+class AdoptableNginx:
+    pid: int
+    create_time: float
+    http_port: int  # the ports it serves (a ':0' address was bound by its daemon)
+    grpc_port: int | None
+    openai_port: int  # where its config sends /v1/ (0: none)
+
+
 @dataclass
 class Prior:
     """What the previous daemon left that this one adopts."""
 
     instances: dict[str, Adoptable] = field(default_factory=dict)
     workers: list[AdoptableWorker] = field(default_factory=list)
+    nginx: AdoptableNginx | None = None
     notes: list[str] = field(default_factory=list)
     # instance id -> its restarts under the daemons before, adopted or not: `status` counts the
     # service's, not this daemon's (a watchdog's restart of the daemon showed every count at 0)
@@ -70,6 +83,8 @@ class Prior:
 
     def keep_pids(self) -> set[int]:
         keep = {w.pid for w in self.workers}
+        if self.nginx is not None:
+            keep.add(self.nginx.pid)  # its workers are not swept (nothing tags them)
         for group in self.instances.values():
             keep |= group.pids
         return keep
@@ -104,6 +119,8 @@ def find_prior(state: dict[str, Any] | None, plans: Iterable[InstancePlan],
             prior.notes.append(f"instance {iid}: not adopted: {why}")
     prior.workers, worker_notes = _workers(state.get("dataplane"), state_dir, listen)
     prior.notes += worker_notes
+    prior.nginx, nginx_notes = _nginx(state.get("dataplane"), state_dir, listen)
+    prior.notes += nginx_notes
     return prior
 
 
@@ -162,6 +179,37 @@ def _workers(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[list[
     if out:
         notes.append(f"data plane: adopting {len(out)} worker(s): pids {', '.join(str(w.pid) for w in out)}")
     return out, notes
+
+
+def _nginx(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[AdoptableNginx | None, list[str]]:
+    if not isinstance(record, dict) or not isinstance(record.get("nginx"), dict):
+        return None, []
+    if record.get("listen") != listen:
+        return None, [f"nginx: not adopted: it serves {record.get('listen')}, this config {listen}"]
+    r = record["nginx"]
+    try:
+        grpc = r.get("grpc_port")
+        found = AdoptableNginx(int(r["pid"]), float(r["create_time"]), int(r["http_port"]),
+                               int(grpc) if grpc is not None else None, int(r.get("openai_port") or 0))
+    except (KeyError, TypeError, ValueError):
+        return None, ["nginx: its record is incomplete: not adopted"]
+    prefix = str(Path(state_dir) / "nginx")
+    if not still_running(found.pid, found.create_time):
+        return None, [f"nginx: master pid {found.pid} is gone"]
+    if r.get("prefix") != prefix or not _runs_with(found.pid, prefix):
+        return None, [f"nginx: pid {found.pid} is not this state dir's nginx master"]
+    return found, [f"nginx: adopting master pid {found.pid}"]
+
+
+def _runs_with(pid: int, prefix: str) -> bool:
+    """An nginx master started with `prefix` (its title keeps the command line: `nginx: master
+    process /usr/sbin/nginx -p PREFIX ...`)."""
+    try:
+        proc = psutil.Process(pid)
+        words = " ".join(proc.cmdline()).split()
+        return "nginx" in proc.name() and "master" in words and prefix in words
+    except psutil.Error:
+        return False
 
 
 def _env(pid: int) -> dict[str, str]:

@@ -223,15 +223,15 @@ class Daemon:
             self._stop.set()
 
     def request_detach(self, reason: str) -> None:
-        """Exit and leave the engines and the data-plane workers serving (an upgrade: the
-        next daemon, maybe newer code, adopts them). Local groups and the embedded data
-        plane only: Slurm steps and a managed NGINX stop as on `down`."""
+        """Exit and leave the engines and the data plane (workers, or a managed NGINX) serving
+        (an upgrade: the next daemon, maybe newer code, adopts them). Local groups only: Slurm
+        steps stop as on `down`."""
         if not self._stop.is_set():
             self.detached = True
             self.request_stop(reason)
 
     async def _detach(self, supervisors: dict[str, asyncio.Task]) -> None:
-        log.info("detaching (%s): engines and data-plane workers keep serving for the next daemon",
+        log.info("detaching (%s): engines and the data plane keep serving for the next daemon",
                  self._stop_reason)
         if self._notifier is not None:
             self._notifier.stopping()
@@ -283,7 +283,7 @@ class Daemon:
         from orchestrator.endpoint import make_proxies, planned_backends
         self.proxies = make_proxies(self.settings, self.backends, self.state_dir.root,
                                     planned=planned_backends(self.plan), on_change=self._proxy_changed,
-                                    adopt=self._prior.workers)
+                                    adopt=self._prior.workers, adopt_nginx=self._prior.nginx)
         for proxy in self.proxies:
             await proxy.start()
 

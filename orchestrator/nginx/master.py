@@ -21,6 +21,12 @@ When the master dies on its own (OOM killer, kill -9):
   state and the last failure all along (an operator is better served by an endpoint
   that keeps trying than by one that stopped).
 
+A master a previous daemon started is adopted (live restore: `adopt()`), not ours as a
+child: its exit comes through launcher/adopted.py, and its listening sockets are its own
+(nginx cannot hand them back). Should it die, its orphaned workers are retired first and
+the sockets bound again (`reopen`) before a new master starts: the port refuses for that
+moment, where a master we started is replaced with the port open throughout.
+
 States: starting -> running -> (master died) restarting -> running ...; stopping -> stopped.
 """
 
@@ -39,6 +45,7 @@ from typing import Any
 
 from orchestrator.errors import OrchError
 from orchestrator.health.restart_policy import RestartPolicy
+from orchestrator.launcher.adopted import UNKNOWN_EXIT, AdoptedProcess
 from orchestrator.launcher.logfile import shift_out_if_over
 from orchestrator.tasks import cancel_and_wait
 
@@ -126,6 +133,8 @@ def _shutting_down(pid: int) -> bool:
 
 
 def _exit_text(code: int | None) -> str:
+    if code == UNKNOWN_EXIT:
+        return "exited (an adopted master: its status went to its parent)"
     if code is not None and code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -156,9 +165,12 @@ class NginxMaster:
     def __init__(self, argv: list[str], prefix: Path, listeners: list[socket.socket], *,
                  logger: logging.Logger | None = None, on_change: Callable[[], None] | None = None,
                  orphan_grace_s: float = 10.0, policy: RestartPolicy | None = None,
-                 log_limits: Callable[[], tuple[int, int]] | None = None) -> None:
+                 log_limits: Callable[[], tuple[int, int]] | None = None,
+                 reopen: Callable[[], list[socket.socket]] | None = None) -> None:
         """`log_limits` gives (max bytes, backups) for error.log, asked at every check so
-        that a reload's new values apply; None: error.log is never rotated."""
+        that a reload's new values apply; None: error.log is never rotated. `reopen` binds
+        the listening sockets again, for a new master after an adopted one died (open_listener's
+        OrchError where one is still taken)."""
         self._argv = argv
         self._prefix = prefix
         self._listeners = listeners
@@ -167,7 +179,9 @@ class NginxMaster:
         self._orphan_grace_s = orphan_grace_s
         self._policy = policy or default_policy()
         self._log_limits = log_limits
-        self._proc: asyncio.subprocess.Process | None = None
+        self._reopen = reopen
+        self._proc: asyncio.subprocess.Process | AdoptedProcess | None = None
+        self.adopted = False  # the running master is a previous daemon's
         self._pgid: int | None = None
         self._orphans: dict[int, float] = {}  # pgid of a dead master -> when its workers get SIGKILL
         self._watch_task: asyncio.Task[None] | None = None
@@ -188,7 +202,8 @@ class NginxMaster:
             if self._running_since is not None and self.state == RUNNING else None
         return {"state": self.state, "pid": self.pid, "restarts": self.restarts,
                 "last_failure": self.last_failure, "running_s": running_s,
-                "orphaned_groups": len(self._orphans), "log_rotations": self.log_rotations}
+                "orphaned_groups": len(self._orphans), "log_rotations": self.log_rotations,
+                "adopted": self.adopted}
 
     async def start(self) -> None:
         """Spawn the master and wait until it serves; raises OrchError (one line)."""
@@ -196,6 +211,25 @@ class NginxMaster:
         self._policy.record_ready()
         self._set_state(RUNNING, f"pid {self.pid}")
         self._watch_task = asyncio.get_running_loop().create_task(self._watch(), name="nginx-master-watch")
+
+    def adopt(self, pid: int, create_time: float) -> None:
+        """Take over a running master a previous daemon started (a session leader: its group is
+        its pid) and watch it as one started here."""
+        self._proc = AdoptedProcess(pid, create_time)
+        self._pgid = pid
+        self.adopted = True
+        self._policy.record_ready()
+        self._set_state(RUNNING, f"adopted pid {pid}")
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch(), name="nginx-master-watch")
+
+    async def detach(self) -> None:
+        """Stop watching and leave the master serving, for the next daemon to adopt; our copies
+        of the listening sockets are closed (the master holds its own)."""
+        self._stopping = True
+        if self._watch_task is not None:
+            await cancel_and_wait(self._watch_task)
+            self._watch_task = None
+        self._close_listeners()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
@@ -294,7 +328,7 @@ class NginxMaster:
             self.signal(signal.SIGUSR1)  # the master reopens its logs and has its workers do so
             self.log_rotations += 1
 
-    async def _restart(self, dead: asyncio.subprocess.Process) -> None:
+    async def _restart(self, dead: "asyncio.subprocess.Process | AdoptedProcess") -> None:
         # Called again (with the same dead process) when a restart attempt fails, so every
         # failed attempt counts as a failure for the backoff.
         decision = self._policy.record_failure()
@@ -312,6 +346,8 @@ class NginxMaster:
             await asyncio.sleep(decision.delay_s)
         self.restarts += 1
         try:
+            if not self._listeners and self._reopen is not None:
+                await self._rebind()
             await self._spawn()
         except (OrchError, OSError) as exc:
             self.last_failure = f"restart #{self.restarts} failed: {exc}"
@@ -321,6 +357,17 @@ class NginxMaster:
         self._log.warning("nginx restarted: pid %d (restart #%d)", self.pid, self.restarts)
         self._set_state(RUNNING, f"restarted as pid {self.pid}")
         await self._retire_orphans()
+
+    async def _rebind(self) -> None:
+        """An adopted master died, and its sockets with it, but for its orphaned workers': they
+        finish their requests first (up to the grace), then the addresses are bound again."""
+        for pgid in list(self._orphans):
+            _kill_each(await asyncio.to_thread(live_group_members, pgid), signal.SIGQUIT)
+            await self._wait_group_gone(pgid, self._orphan_grace_s)
+            await self._kill_orphans(pgid)
+        assert self._reopen is not None
+        self._listeners = self._reopen()
+        self.adopted = False
 
     async def _retire_orphans(self) -> None:
         """SIGQUIT the workers of dead masters: they finish their requests and exit."""

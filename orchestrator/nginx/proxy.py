@@ -14,11 +14,19 @@ connections and nginx retries the request on another (configs/nginx.conf.j2 says
 dead, draining and hung instances are handled), and the ready set reaches nginx as a
 small file (health/ready.json) that answers /v2/health/ready.
 
+The master lives apart from the daemon (live restore): a daemon killed, restarted by its
+watchdog or upgraded leaves it serving the native HTTP and gRPC routes on the last ready
+set, and the next `up` adopts it (`state_record`, controlplane/adoption.py) instead of
+stopping it: no connection refused or cut. Nginx reloads then only if the config the new
+daemon renders differs (the OpenAI listener binds its recorded port again for that).
+The OpenAI routes are the daemon's own listener's: they answer 502 while no daemon runs.
+
 Lifecycle (one owner: the daemon):
-    proxy = NginxProxy(settings, ready_backends, state_dir, logger, planned=..., on_change=...)
+    proxy = NginxProxy(settings, ready_backends, state_dir, logger, planned=..., on_change=..., adopt=...)
     await proxy.start()            # raises OrchError / EnvironmentProblem, one line
     proxy.status()                 # {"kind": "nginx", "state": "running", "pid": ..., "restarts": ...}
     await proxy.stop()             # SIGQUIT, SIGKILL the group after the grace
+    await proxy.detach()           # or: leave nginx serving for the next daemon
 """
 
 from __future__ import annotations
@@ -29,9 +37,9 @@ import logging
 import os
 import pwd
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.config import Settings, parse_host_port
 from orchestrator.errors import EnvironmentProblem, OrchError
@@ -41,6 +49,9 @@ from orchestrator.dataplane.metrics import MetricsServer, NginxMetrics, ProxyMet
 from orchestrator.nginx.master import RUNNING, NginxMaster, open_listener
 from orchestrator.routing.surface import admin_regexes
 from orchestrator.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from orchestrator.controlplane.adoption import AdoptableNginx
 
 TEMPLATE = "nginx.conf.j2"
 CONF_NAME = "nginx.conf"
@@ -144,13 +155,14 @@ def _write_ready_file(path: Path, ready: int) -> None:
 class NginxProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
                  logger: logging.Logger | None = None, *, planned: tuple[Backend, ...],
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, adopt: "AdoptableNginx | None" = None) -> None:
         if not planned:
             raise ValueError("NginxProxy needs the planned instances (its upstreams list them all)")
         self._settings = settings
         self._backends = backends
         self._planned = planned
         self._on_change = on_change  # the daemon's: state.json and systemd learn of a new master
+        self._adopt = adopt  # a master a previous daemon left serving, to take over
         self._dir = Path(state_dir) / "nginx"
         self._conf = self._dir / CONF_NAME
         self._ready_file = self._dir / "health" / READY_NAME
@@ -172,6 +184,9 @@ class NginxProxy:
         self._grpc_listen = parse_host_port(settings.grpc_listen, "--grpc-listen") if settings.grpc_listen else None
         self._port = port
         self._grpc_port = self._grpc_listen[1] if self._grpc_listen else None
+        if adopt is not None:  # the ports it serves (those of ':0' were learnt by its daemon)
+            self._port = adopt.http_port
+            self._grpc_port = adopt.grpc_port if self._grpc_listen else None
         self.reloads = 0  # applied reloads (config changes), for status and tests
         self.last_error = ""
         # NGINX cannot translate the OpenAI API: /v1/ goes to this loopback listener of ours,
@@ -179,7 +194,9 @@ class NginxProxy:
         self._openai: Any = None
         if settings.openai == "on":
             from orchestrator.dataplane.openai_listener import OpenAIListener
-            self._openai = OpenAIListener(settings, backends, self._log, metrics=self.metrics)
+            # adopting: on the port the master's config names, so that it needs no reload
+            self._openai = OpenAIListener(settings, backends, self._log, metrics=self.metrics,
+                                          port=adopt.openai_port if adopt is not None else 0)
 
     # --- public ------------------------------------------------------------------
     @property
@@ -216,6 +233,23 @@ class NginxProxy:
                 "metrics_port": self.metrics_port, "config": str(self._conf), "reloads": self.reloads,
                 "last_error": self.last_error}
 
+    def state_record(self) -> dict[str, Any]:
+        """What the next daemon needs to adopt this master (live restore); {} while none runs."""
+        master = self._master
+        pid = master.pid if master is not None else None
+        if pid is None:
+            return {}
+        import psutil
+        try:
+            created = psutil.Process(pid).create_time()
+        except psutil.Error:
+            return {}
+        s = self._settings
+        return {"listen": {"listen": s.listen, "grpc_listen": s.grpc_listen, "metrics_listen": s.metrics_listen},
+                "nginx": {"pid": pid, "create_time": created, "prefix": str(self._dir), "http_port": self._port,
+                          "grpc_port": self._grpc_port,
+                          "openai_port": self._openai.bound_port if self._openai is not None else 0}}
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         binary = self._binary()
@@ -224,16 +258,15 @@ class NginxProxy:
         self._ready_file.parent.mkdir(exist_ok=True, mode=0o700)
         if self._openai is not None:
             await self._openai.start()  # its port goes into the config
+        adopt = self._adopt
+        listeners: list[socket.socket] = []
         try:
-            listeners = self._open_listeners()
-        except BaseException:
-            await self._stop_openai(0)
-            raise
-        try:
-            error = await self._write_checked(self._render())
-            if error:
-                raise OrchError(f"--proxy=nginx: rendered config fails `nginx -t`: {error}")
-            await self._publish_ready()
+            if adopt is None:
+                listeners = self._open_listeners()
+                error = await self._write_checked(self._render())
+                if error:
+                    raise OrchError(f"--proxy=nginx: rendered config fails `nginx -t`: {error}")
+                await self._publish_ready()
         except BaseException:
             for s in listeners:
                 s.close()
@@ -243,9 +276,15 @@ class NginxProxy:
             [binary, "-p", str(self._dir), "-c", str(self._conf), "-e", str(self._dir / "error.log"),
              "-g", "daemon off;"], self._dir, listeners, logger=self._log,
             on_change=self._master_changed, orphan_grace_s=self._settings.stop_grace_s,
-            log_limits=lambda: (self._settings.log_max_bytes, self._settings.log_backups))
+            log_limits=lambda: (self._settings.log_max_bytes, self._settings.log_backups),
+            reopen=self._open_listeners)
         try:
-            await self._master.start()
+            if adopt is None:
+                await self._master.start()
+            else:
+                # A previous daemon's master (live restore): its config is rendered again below and
+                # applied with a reload only where it changed; the ready file is ours from now on.
+                self._master.adopt(adopt.pid, adopt.create_time)
             if self._settings.metrics_listen:
                 self._metrics_server = MetricsServer(self.metrics, self._settings.metrics_listen)
                 await self._metrics_server.start()
@@ -256,9 +295,15 @@ class NginxProxy:
         # Subscribe only now; a change that raced with startup is caught by one more write.
         self._unsubscribe = self._backends.subscribe(self._on_ready_set)
         self._on_ready_set(self._backends.current())
-        self._log.info("nginx %d listening on %s (config %s; metrics %s)", self._master.pid,
-                       _addr(self._listen[0], self._port), self._conf,
-                       f"port {self.metrics_port}" if self._metrics_server else "off")
+        if adopt is not None:
+            self._request_reload()  # nothing to do where the config is the same
+        self._log.info("nginx %d %s on %s (config %s; metrics %s)", self._master.pid,
+                       "adopted, serving" if adopt is not None else "listening", _addr(self._listen[0], self._port),
+                       self._conf, f"port {self.metrics_port}" if self._metrics_server else "off")
+
+    async def detach(self) -> None:
+        """Leave the master serving for the next daemon (an upgrade); stop what is ours."""
+        await self._end(lambda master: master.detach())
 
     def apply_settings(self, settings: Settings) -> None:
         """A reload of the daemon's config: nginx reloads only if the rendered config changed.
@@ -277,6 +322,11 @@ class NginxProxy:
                 await asyncio.shield(getattr(self, attr))
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        await self._end(lambda master: master.stop(grace_s))
+
+    async def _end(self, end_master: Callable[[NginxMaster], Awaitable[None]]) -> None:
+        """Stop or detach: our tasks first, then the master's watch (`end_master`), then the
+        OpenAI listener (after nginx: its last /v1/ requests have drained through it)."""
         self._stopping = True
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -287,8 +337,8 @@ class NginxProxy:
                 await cancel_and_wait(task)
                 setattr(self, attr, None)
         if self._master is not None:
-            await self._master.stop(grace_s)
-        await self._stop_openai(1.0)  # after nginx: its last /v1/ requests have drained through it
+            await end_master(self._master)
+        await self._stop_openai(1.0)
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 

@@ -1,0 +1,88 @@
+"""Live restore with `--proxy nginx`: the managed NGINX lives apart from the daemon, as the
+data-plane workers do. A daemon killed, or detached for an upgrade, leaves it serving; the
+next `up` adopts it instead of stopping it (real nginx, real tritonserver ranks under mpirun,
+the TRT-LLM twin).
+
+Before, the next `up` refused to start ("--listen: address in use ... (nginx)": the port
+check knew the master as a leftover, not its workers, which hold the sockets too); with the
+check mended it would have stopped NGINX and started another, refusing connections between.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.test_e2e_faults import Load
+from tests.test_e2e_live_restore import Streams, engine_pids, grpc_client, kill_and_up_under_load
+
+pytestmark = pytest.mark.e2e
+
+
+def nginx_of(status: dict) -> dict:
+    (proxy,) = status["proxies"]
+    assert proxy["kind"] == "nginx"
+    return proxy
+
+
+def master_and_workers(master: int) -> list[int]:
+    """The master and its workers, while it runs."""
+    try:
+        proc = psutil.Process(master)
+        return [master, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def gone(pids: list[int]) -> bool:
+    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_kill_9_of_the_daemon_leaves_nginx_serving_and_the_next_up_adopts_it(orch_run):
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, proxy="nginx", extra=("--proxy-workers", "2")).start()
+    before = run.status()
+    master, engines = nginx_of(before)["pid"], engine_pids(before)
+    clients = [Streams(run, tokens=8), grpc_client(run)]
+    load, adopted_in = kill_and_up_under_load(run, clients)  # the same ports again
+    after = run.status()
+    proxy = nginx_of(after)
+    streams, grpc_loop = clients
+    assert load.failures == [], load.failures[:5]
+    assert streams.cut == [] and grpc_loop.failures == [], (streams.cut[:3], grpc_loop.failures[:3])
+    assert streams.done and grpc_loop.ok
+    assert proxy["pid"] == master and proxy["adopted"] and proxy["state"] == "running"
+    assert proxy["reloads"] == 0  # the config rendered again is the same: no reload closed a connection
+    assert engine_pids(after) == engines
+    assert "nginx: adopting master pid" in run.daemon_log()
+    print(f"nginx adopted, instances ready {adopted_in:.2f} s after the new up; {load.ok} HTTP, {streams.done} "
+          f"streams, {grpc_loop.ok} gRPC, 0 failed")
+    # (after `down`, the fixture finds no process of the run left: nginx's included, harness.nginx_processes)
+
+
+def test_a_detached_daemon_leaves_nginx_and_an_adopted_master_that_dies_is_replaced(orch_run):
+    """SIGUSR2 (an upgrade under systemd) detaches and leaves NGINX serving; the next daemon
+    adopts it. That master is not its child and its listening sockets are not the daemon's:
+    when it dies its orphaned workers are retired, the addresses bound again and a new
+    master started on them."""
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, proxy="nginx").start()
+    master = nginx_of(run.status())["pid"]
+    os.kill(run.status()["daemon"]["pid"], signal.SIGUSR2)
+    run.proc.wait(timeout=30)
+    assert run.proc.returncode == 75  # detached: Restart= starts the next daemon
+    assert psutil.pid_exists(master)
+    run.start()
+    assert nginx_of(run.status())["pid"] == master
+    old = master_and_workers(master)
+    os.kill(master, signal.SIGKILL)
+    st = run.wait_for(lambda s: nginx_of(s)["state"] == "running" and nginx_of(s)["pid"] not in (None, master),
+                      30, "a new nginx master")
+    proxy = nginx_of(st)
+    assert not proxy["adopted"] and proxy["restarts"] == 1
+    with Load(run, threads=1) as load:
+        time.sleep(1.0)
+    assert load.ok and load.failures == [], load.failures[:5]
+    assert gone(old)  # the dead master's orphaned workers were retired
