@@ -359,14 +359,21 @@ class NginxMaster:
         await self._retire_orphans()
 
     async def _rebind(self) -> None:
-        """An adopted master died, and its sockets with it, but for its orphaned workers': they
-        finish their requests first (up to the grace), then the addresses are bound again."""
-        for pgid in list(self._orphans):
+        """An adopted master died, and its sockets are its orphaned workers' alone. Told to quit
+        (SIGQUIT), they close them at once and finish their requests; the addresses are bound
+        again as soon as they are free (up to the grace), for the new master to inherit."""
+        for pgid in self._orphans:
             _kill_each(await asyncio.to_thread(live_group_members, pgid), signal.SIGQUIT)
-            await self._wait_group_gone(pgid, self._orphan_grace_s)
-            await self._kill_orphans(pgid)
+        deadline = time.monotonic() + self._orphan_grace_s
         assert self._reopen is not None
-        self._listeners = self._reopen()
+        while True:
+            try:
+                self._listeners = self._reopen()
+                break
+            except OrchError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
         self.adopted = False
 
     async def _retire_orphans(self) -> None:

@@ -37,9 +37,12 @@ import logging
 import os
 import pwd
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from orchestrator.config import Settings, parse_host_port
 from orchestrator.errors import EnvironmentProblem, OrchError
@@ -177,6 +180,10 @@ class NginxProxy:
         self._reload_wanted = False
         self._ready_task: asyncio.Task[None] | None = None
         self._ready_written: int | None = None
+        # Adopted: the ready file as the last daemon left it, until this one's ready set is not
+        # empty (its probes passed) or the adoption's window is over (`_adopted_ready_hold`).
+        self._hold_empty_until = 0.0
+        self._hold_timer: asyncio.TimerHandle | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         host, port = parse_host_port(settings.listen, "--listen")
@@ -239,7 +246,6 @@ class NginxProxy:
         pid = master.pid if master is not None else None
         if pid is None:
             return {}
-        import psutil
         try:
             created = psutil.Process(pid).create_time()
         except psutil.Error:
@@ -292,6 +298,8 @@ class NginxProxy:
             await self._master.stop(0)  # also closes the listening sockets
             await self._stop_openai(0)
             raise
+        if adopt is not None:
+            self._adopted_ready_hold()
         # Subscribe only now; a change that raced with startup is caught by one more write.
         self._unsubscribe = self._backends.subscribe(self._on_ready_set)
         self._on_ready_set(self._backends.current())
@@ -300,6 +308,18 @@ class NginxProxy:
         self._log.info("nginx %d %s on %s (config %s; metrics %s)", self._master.pid,
                        "adopted, serving" if adopt is not None else "listening", _addr(self._listen[0], self._port),
                        self._conf, f"port {self.metrics_port}" if self._metrics_server else "off")
+
+    def _adopted_ready_hold(self) -> None:
+        """The new daemon's ready set is empty until its probes of the adopted instances pass
+        (1-3 s); written as it is, NGINX's /v2/health/ready answered 503 meanwhile, and a load
+        balancer polling it took the node out (tests/test_e2e_nginx_live_restore.py: 43 503s in
+        a restart). The file is held as it is for as long as an adopted instance has to answer
+        its probes (docs/live-restore.md), then the ready set is written whatever it is."""
+        s = self._settings
+        window = s.probe_failures * (s.probe_interval_s + s.probe_timeout_s)
+        assert self._loop is not None
+        self._hold_empty_until = time.monotonic() + window
+        self._hold_timer = self._loop.call_later(window, lambda: self._on_ready_set(self._backends.current()))
 
     async def detach(self) -> None:
         """Leave the master serving for the next daemon (an upgrade); stop what is ours."""
@@ -331,6 +351,9 @@ class NginxProxy:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
         for attr in ("_reload_task", "_ready_task"):
             task = getattr(self, attr)
             if task is not None:
@@ -356,6 +379,10 @@ class NginxProxy:
         while True:
             count = len(self._backends.current())
             if count == self._ready_written:
+                return
+            if count:
+                self._hold_empty_until = 0.0
+            elif time.monotonic() < self._hold_empty_until:
                 return
             try:
                 await asyncio.to_thread(_write_ready_file, self._ready_file, count)
