@@ -1,6 +1,7 @@
 """Chaos soak: the three tiers failing under load in one run, and what the clients saw.
 
     .venv/bin/python -m bench.chaos_soak [--seconds 60] [--seed 1] [--gap 3] [--faults worker,engine,...]
+                                         [--proxy embedded|nginx]
 
 Each fault has its own test (tests/test_e2e_faults.py, test_e2e_workers.py, test_e2e_live_restore.py);
 this is their interactions: a worker killed while the daemon that supervises it is down, an engine
@@ -10,7 +11,7 @@ on keep-alive connections (unary generates, native SSE streams, OpenAI chat stre
 checked against the twin's own text (`vocab.generate_text`). Every `gap` seconds (jittered) one fault
 drawn by the seed, without waiting for the last one's recovery:
 
-  worker   kill -9 of a data-plane worker
+  worker   kill -9 of a data-plane worker (`--proxy nginx`: of an NGINX worker, which its master replaces)
   engine   kill -9 of a tritonserver rank of a READY instance
   hang     SIGSTOP of a rank of a READY instance (left stopped: the daemon's detection must end it)
   daemon   kill -9 of the daemon and the same `up` 0.5 s later (live restore)
@@ -18,8 +19,11 @@ drawn by the seed, without waiting for the last one's recovery:
 
 A failed answer is *owed* to a fault where the promises allow it: it was on a connection the killed
 worker held, or it was a stream whose answer had begun (its response head out: never retried) when an
-engine fault hit, within the fault's window. Every other failure, and every answer whose text is
-wrong, is a finding. Then the run must settle (every instance READY, the workers wanted alive, no
+engine fault hit, within the fault's window. With `--proxy nginx` also: a request on a connection an
+NGINX worker held when a reload retired it (NGINX closes kept connections after their answer, and a
+request written just then is lost: NGINX's own behaviour, docs/live-restore.md), and an OpenAI chat
+within DAEMON_WINDOW_S of a daemon kill (NGINX mode's /v1 is the daemon's own listener). Every other
+failure, and every answer whose text is wrong, is a finding. Then the run must settle (every instance READY, the workers wanted alive, no
 process beyond the plan's), and after `down` nothing may be left.
 
 Goals: 0 unexplained failures, 0 wrong texts, settled, 0 processes left.
@@ -44,7 +48,7 @@ from typing import Any
 import psutil
 
 from bench.common import bars, machine, table, write_result_md
-from tests.harness import DEMO_REPO, Run, tagged
+from tests.harness import DEMO_REPO, Run, nginx_processes, tagged
 
 sys.path.insert(0, str(DEMO_REPO / "tensorrt_llm" / "1"))
 import vocab  # noqa: E402  (the twin's token function: what every answer must say)
@@ -56,6 +60,9 @@ FAST = ("--probe-interval-s", "0.5", "--probe-timeout-s", "0.5", "--probe-failur
 # After an engine fault, how long a stream under way there may still end failed: the fault found
 # (a kill at once, a hang after the probes' ~1.5 s; on a loaded 2-core box a few seconds more).
 ENGINE_WINDOW_S = {"engine": 5.0, "hang": 10.0}
+# NGINX mode: how long after a daemon kill its /v1 listener may be away (the next `up` binds it again).
+DAEMON_WINDOW_S = 10.0
+PROXIES = ("embedded", "nginx")
 GENERATE = "/v2/models/ensemble/generate"
 STREAM = "/v2/models/ensemble/generate_stream"
 CHAT = "/v1/chat/completions"
@@ -178,20 +185,29 @@ def _status(run: Run, timeout: float = 60.0) -> dict[str, Any]:
         time.sleep(0.2)
 
 
-def _ports_by_worker(status: dict[str, Any], listen_port: int) -> dict[int, int]:
-    """client port -> the pid of the worker holding that connection, now."""
+def _ports_held(pids: list[int], listen_port: int) -> dict[int, int]:
+    """client port -> the pid of the data-plane process (of `pids`) holding that connection, now."""
     out = {}
-    for proxy in status.get("proxies", []):
-        for w in proxy.get("workers", []):
-            if not w.get("alive"):
-                continue
-            try:
-                for c in psutil.Process(w["pid"]).net_connections("tcp"):
-                    if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == listen_port and c.raddr:
-                        out[c.raddr.port] = w["pid"]
-            except psutil.Error:
-                continue
+    for pid in pids:
+        try:
+            for c in psutil.Process(pid).net_connections("tcp"):
+                if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == listen_port and c.raddr:
+                    out[c.raddr.port] = pid
+        except psutil.Error:
+            continue
     return out
+
+
+def _dataplane_pids(st: dict[str, Any]) -> list[int]:
+    """The processes serving clients: the live data-plane workers, or NGINX's workers."""
+    proxy = st["proxies"][0]
+    if proxy.get("kind") == "nginx":
+        try:
+            return [c.pid for c in psutil.Process(proxy["pid"]).children()
+                    if "shutting down" not in " ".join(c.cmdline())]
+        except (psutil.Error, KeyError, TypeError, ValueError):
+            return []
+    return [w["pid"] for w in proxy.get("workers", []) if w.get("alive")]
 
 
 def _ranks(instance: dict[str, Any]) -> list[psutil.Process]:
@@ -209,8 +225,8 @@ def _ranks(instance: dict[str, Any]) -> list[psutil.Process]:
 class Chaos:
     """Applies the faults: each returns what it did (None: no target now, e.g. no READY instance)."""
 
-    def __init__(self, run: Run, tmp: Path, config: Path, rng: random.Random) -> None:
-        self.run, self.tmp, self.config, self.rng = run, tmp, config, rng
+    def __init__(self, run: Run, tmp: Path, config: Path, rng: random.Random, proxy: str) -> None:
+        self.run, self.tmp, self.config, self.rng, self.proxy = run, tmp, config, rng, proxy
         self.workers = 2
         self.daemons = 1
 
@@ -221,15 +237,15 @@ class Chaos:
         return None if done is None else {"t": t, "kind": kind, **done}
 
     def _worker(self, st: dict[str, Any]) -> dict[str, Any] | None:
-        pool = [w for w in st["proxies"][0]["workers"] if w.get("alive")]
+        pool = _dataplane_pids(st)
         if not pool:
             return None
         victim = self.rng.choice(pool)
         # who holds each client connection now: the kill owes what fails on the victim's
-        ports = _ports_by_worker(st, self.run.listen_port)
+        ports = _ports_held(pool, self.run.listen_port)
         t = time.time()
-        os.kill(victim["pid"], signal.SIGKILL)
-        return {"t": t, "pid": victim["pid"], "ports": sorted(p for p, w in ports.items() if w == victim["pid"])}
+        os.kill(victim, signal.SIGKILL)
+        return {"t": t, "pid": victim, "ports": sorted(p for p, w in ports.items() if w == victim)}
 
     def _rank(self, st: dict[str, Any], sig: int) -> dict[str, Any] | None:
         ranks = [(i["id"], r) for i in st["instances"] if i["state"] == "READY" for r in _ranks(i)]
@@ -254,21 +270,28 @@ class Chaos:
         self.daemons += 1
         self.run.log_path = self.tmp / f"daemon-{self.daemons}.log"  # each daemon's own log
         self.run.start(wait_ready=False)
-        return {"pid": pid, "new_pid": self.run.proc.pid if self.run.proc else None}
+        return {"pid": pid, "new_pid": self.run.proc.pid if self.run.proc else None, "owes_chat": self.proxy == "nginx"}
 
     def _reload(self, st: dict[str, Any]) -> dict[str, Any]:
         # the other worker count: a smaller pool drains the workers it stops
         self.workers = 5 - self.workers
         self.config.write_text(f'proxy-workers = "{self.workers}"\n')
+        # NGINX retires every worker at a reload: what it held then is owed (see the docstring)
+        held = sorted(_ports_held(_dataplane_pids(st), self.run.listen_port)) if self.proxy == "nginx" else []
+        t = time.time()
         out = self.run.cli("reload", "--state-dir", str(self.run.state_dir))
-        return {"workers": self.workers, "rc": out.returncode, "error": out.stderr.strip()[-300:] if out.returncode else ""}
+        return {"t": t, "workers": self.workers, "rc": out.returncode, "ports": held,
+                "error": out.stderr.strip()[-300:] if out.returncode else ""}
 
 
 def owed(rec: dict[str, Any], faults: list[dict[str, Any]]) -> str | None:
     """The fault a failed answer is owed to (its kind), or None: a finding."""
     for f in faults:
-        if f["kind"] == "worker" and rec.get("port") in f["ports"] and rec["t1"] >= f["t"]:
-            return "worker"
+        if rec.get("port") in f.get("ports", ()) and rec["t1"] >= f["t"]:
+            return f["kind"]  # a killed worker's connection, or a retired NGINX worker's
+        if f["kind"] == "daemon" and f.get("owes_chat") and rec["kind"] == "chat" and \
+                f["t"] <= rec["t1"] and rec["t0"] <= f["t"] + DAEMON_WINDOW_S:
+            return "daemon"
         if f["kind"] in ENGINE_WINDOW_S and rec["kind"] != "unary" and rec["head"] is not None and \
                 rec["t0"] <= f["t"] + ENGINE_WINDOW_S[f["kind"]] and rec["t1"] >= f["t"]:
             return f["kind"]
@@ -281,6 +304,8 @@ def settle(run: Run, timeout: float) -> tuple[dict[str, Any], float]:
 
     def settled(st: dict[str, Any]) -> bool:
         pool = st["proxies"][0]
+        if pool.get("kind") == "nginx":
+            return st["ready"] == st["total"] and pool["state"] == "running"
         return st["ready"] == st["total"] and pool["workers_alive"] == pool["workers_wanted"] == len(pool["workers"])
     deadline = t + timeout
     while True:
@@ -295,10 +320,11 @@ def settle(run: Run, timeout: float) -> tuple[dict[str, Any], float]:
 def _plan_processes(run: Run, st: dict[str, Any]) -> dict[str, Any]:
     """The processes of the state dir beyond what the settled status accounts for (leaks while running)."""
     listed = {pid for i in st["instances"] for pid in i.get("pids", [])}
-    listed |= {w["pid"] for p in st["proxies"] for w in p["workers"] if w.get("pid")}
+    listed |= {w["pid"] for p in st["proxies"] for w in p.get("workers", []) if w.get("pid")}
+    listed |= {p["pid"] for p in st["proxies"] if p.get("kind") == "nginx" and p.get("pid")}
     listed.add(st["daemon"]["pid"])
     extra, servers = [], 0
-    for p in tagged(run.state_dir):
+    for p in tagged(run.state_dir) + nginx_processes(run.state_dir):
         try:
             servers += p.name() == "tritonserver"
             # a child of a listed process (a rank's Python stubs, an mpirun's daemon) is accounted for
@@ -310,24 +336,25 @@ def _plan_processes(run: Run, st: dict[str, Any]) -> dict[str, Any]:
     return {"unlisted": extra, "tritonservers": servers}
 
 
-def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients: int) -> dict[str, Any]:
+def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients: int,
+         proxy: str = "embedded") -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     config = tmp / "orch.toml"
     config.write_text('proxy-workers = "2"\n')
-    run = Run(tmp, gpus="0-3", tp=2, assume_gpus=4, extra=("--config", str(config), *FAST),
+    run = Run(tmp, gpus="0-3", tp=2, assume_gpus=4, proxy=proxy, extra=("--config", str(config), *FAST),
               env_extra={"DEMO_TOKEN_DELAY_MS": "5"})
     rng = random.Random(seed)
     stop = threading.Event()
     users: list[Client] = []
     applied: list[dict[str, Any]] = []
     out: dict[str, Any] = {"seconds": seconds, "seed": seed, "gap_s": gap, "faults_drawn_from": list(faults),
-                           "clients": clients}
+                           "clients": clients, "proxy": proxy}
     try:
         run.start(timeout=120)
         users = [Client(run.listen_port, KINDS[i % len(KINDS)], i, stop) for i in range(clients)]
         for u in users:
             u.start()
-        chaos = Chaos(run, tmp, config, rng)
+        chaos = Chaos(run, tmp, config, rng, proxy)
         t_start = time.time()
         time.sleep(2.0)
         while time.time() - t_start < seconds:
@@ -397,7 +424,8 @@ def report(result: dict[str, Any]) -> str:
                      "unexplained": result["unexplained"], "wrong": result["wrong_texts"],
                      "settle_s": result["settle_s"], "left": len(result["leaked_pids"])}],
                    ["answers", *KINDS, "failed", "owed", "unexplained", "wrong", "settle_s", "left"]),
-             "", f"seed {result['seed']}, {result['seconds']:g} s of faults every ~{result['gap_s']:g} s, "
+             "", f"seed {result['seed']}, {result.get('proxy', 'embedded')} data plane, {result['seconds']:g} s of faults "
+                 f"every ~{result['gap_s']:g} s, "
                  f"{result['clients']} clients; faults applied: "
                  + ", ".join(f"{k} {v}" for k, v in result["fault_counts"].items())
                  + f"; daemons: {result['daemons']}; restarts counted at the end: {result['restarts']}; "
@@ -413,6 +441,7 @@ def main() -> int:
     ap.add_argument("--gap", type=float, default=3.0, help="mean seconds between faults")
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--proxy", choices=PROXIES, default="embedded", help="the data plane: workers or a managed NGINX")
     ap.add_argument("--out", type=Path, default=None, help="write the result here, not bench/results/")
     args = ap.parse_args()
     faults = tuple(args.faults.split(","))
@@ -420,7 +449,7 @@ def main() -> int:
     if bad:
         ap.error(f"--faults: {bad[0]!r} is not one of {', '.join(FAULTS)}")
     result = {"bench": "chaos_soak", "machine": machine(),
-              **soak(args.seconds, args.seed, args.gap, faults, args.clients)}
+              **soak(args.seconds, args.seed, args.gap, faults, args.clients, args.proxy)}
     write_result_md("chaos_soak", result, plot, args.out, __doc__.split("\n\n")[0], report(result))
     ok = result["unexplained"] == 0 and result["wrong_texts"] == 0 and not result["leaked_pids"] and \
         not result["processes"]["unlisted"]

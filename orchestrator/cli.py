@@ -358,7 +358,8 @@ def format_status(status: dict[str, Any]) -> str:
             lines += format_workers(proxy, d.get("version", ""))
             continue
         lines.append(f"{proxy.get('kind', 'proxy')} {proxy.get('state')}  pid {proxy.get('pid') or '-'}  "
-                     f"restarts {proxy.get('restarts', 0)}")
+                     f"restarts {proxy.get('restarts', 0)}"
+                     + ("  (adopted: started by the daemon before this one)" if proxy.get("adopted") else ""))
         if proxy.get("last_failure"):
             lines.append(f"      last failure: {proxy['last_failure']}")
     lines.append(f"{'ID':<4}{'GPUS':<10}{'STATE':<11}{'HTTP':<7}{'GRPC':<7}{'METRICS':<9}{'UPTIME':<9}"

@@ -68,6 +68,8 @@ def test_kill_9_of_the_daemon_leaves_nginx_serving_and_the_next_up_adopts_it(orc
     assert streams.done and grpc_loop.ok and health.ok
     assert proxy["pid"] == master and proxy["adopted"] and proxy["state"] == "running"
     assert proxy["reloads"] == 0  # the config rendered again is the same: no reload closed a connection
+    text = run.cli("status", "--state-dir", str(run.state_dir), check=True).stdout
+    assert f"nginx running  pid {master}  restarts 0  (adopted: started by the daemon before this one)" in text
     assert engine_pids(after) == engines
     assert "nginx: adopting master pid" in run.daemon_log()
     print(f"nginx adopted, instances ready {adopted_in:.2f} s after the new up; {load.ok} HTTP, {streams.done} "
