@@ -18,12 +18,15 @@ drawn by the seed, without waiting for the last one's recovery:
   reload   the worker count changed (2 <-> 3) with `reload`
 
 A failed answer is *owed* to a fault where the promises allow it: it was on a connection the killed
-worker held, or it was a stream whose answer had begun (its response head out: never retried) when an
+worker held, or it was a stream whose answer had begun (a 200 head out: never retried) when an
 engine fault hit, within the fault's window. With `--proxy nginx` also: a request on a connection an
 NGINX worker held when a reload retired it (NGINX closes kept connections after their answer, and a
 request written just then is lost: NGINX's own behaviour, docs/live-restore.md), and an OpenAI chat
-within DAEMON_WINDOW_S of a daemon kill (NGINX mode's /v1 is the daemon's own listener). Every other
-failure, and every answer whose text is wrong, is a finding. Then the run must settle (every instance READY, the workers wanted alive, no
+within DAEMON_WINDOW_S of a daemon kill (NGINX mode's /v1 is the daemon's own listener), and a 502 or
+503 while no instance could answer (each not READY, or killed or hung and not back yet) or within
+NGINX's passive check's period after (NGINX holds no request: docs/health.md; the readiness is
+sampled from the control socket every 0.1 s). Every other failure, and every answer whose text is wrong, is
+a finding. Then the run must settle (every instance READY, the workers wanted alive, no
 process beyond the plan's), and after `down` nothing may be left.
 
 Goals: 0 unexplained failures, 0 wrong texts, settled, 0 processes left.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import random
 import signal
@@ -151,8 +155,10 @@ class Client(threading.Thread):
                 conn.request("POST", path, body, {"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 rec["head"] = time.time()
+                rec["status"] = resp.status
                 if resp.status != 200:
                     rec["error"] = f"{resp.status} {resp.read()[:160]!r}"
+                    time.sleep(0.05)  # and backs off a little, as a real client does (not a tight loop)
                 else:
                     got = _read_answer(self.kind, resp)
                     rec["ok"] = got == want
@@ -276,23 +282,83 @@ class Chaos:
         # the other worker count: a smaller pool drains the workers it stops
         self.workers = 5 - self.workers
         self.config.write_text(f'proxy-workers = "{self.workers}"\n')
-        # NGINX retires every worker at a reload: what it held then is owed (see the docstring)
-        held = sorted(_ports_held(_dataplane_pids(st), self.run.listen_port)) if self.proxy == "nginx" else []
+        # NGINX retires every worker at a reload: what they held is owed (see the docstring), read
+        # before and again once they are retiring (connections they took while the command ran)
+        old = _dataplane_pids(st) if self.proxy == "nginx" else []
+        held = set(_ports_held(old, self.run.listen_port))
         t = time.time()
         out = self.run.cli("reload", "--state-dir", str(self.run.state_dir))
-        return {"t": t, "workers": self.workers, "rc": out.returncode, "ports": held,
+        held |= set(_ports_held(old, self.run.listen_port))
+        return {"t": t, "workers": self.workers, "rc": out.returncode, "ports": sorted(held),
                 "error": out.stderr.strip()[-300:] if out.returncode else ""}
 
 
-def owed(rec: dict[str, Any], faults: list[dict[str, Any]]) -> str | None:
-    """The fault a failed answer is owed to (its kind), or None: a finding."""
+class Readiness(threading.Thread):
+    """Which instances were READY when, read from the daemon's control socket every 0.1 s (in
+    process: `status` as a command would cost a Python start each time); nothing while no daemon
+    answers."""
+
+    def __init__(self, orch: Run, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.orch, self.stop = orch, stop
+        # (when, the READY instances, each instance's restarts: the daemon carries them over its restarts)
+        self.samples: list[tuple[float, frozenset[str], dict[str, int]]] = []
+        self.ids: set[str] = set()
+
+    def run(self) -> None:
+        from orchestrator.controlplane.control_socket import call_sync
+        sock = self.orch.state_dir / "control.sock"
+        while not self.stop.wait(0.1):
+            try:
+                code, st = call_sync(sock, "GET", "/status", timeout_s=2.0)
+            except Exception:  # noqa: BLE001 - no daemon now (being replaced)
+                continue
+            if code == 200:
+                self.ids |= {i["id"] for i in st["instances"]}
+                self.samples.append((time.time(), frozenset(i["id"] for i in st["instances"] if i["state"] == "READY"),
+                                     {i["id"]: i["restarts"] for i in st["instances"]}))
+
+    def none_serving(self, t0: float, t1: float, faults: list[dict[str, Any]]) -> bool:
+        """Whether at some sample from before `t0` to half a second after `t1` no instance could answer:
+        each was not READY, or was killed or hung and not back since (a hung one reads READY until its
+        detection). NGINX's passive check skips an instance that failed for FAIL_TIMEOUT_S: after every
+        instance had failed it answered 502 ("no live upstreams") for up to 2 s after one was back
+        (seed 21: 50 answers in 1.1 s), so that long counts too, before `t0` and after each return."""
+        from orchestrator.nginx.proxy import FAIL_TIMEOUT_S
+        # NGINX skips a failed instance for FAIL_TIMEOUT_S, however soon it is back
+        out = [(f["instance"], f["t"], self._back(f["instance"], f["t"]) + FAIL_TIMEOUT_S + 0.5)
+               for f in faults if f["kind"] in ENGINE_WINDOW_S]
+        for t, ready, _ in self.samples:
+            if t0 - 0.5 - FAIL_TIMEOUT_S <= t <= t1 + 0.5 and \
+                    all(i not in ready or any(j == i and start <= t < end for j, start, end in out) for i in self.ids):
+                return True
+        return False
+
+    def _back(self, iid: str, since: float) -> float:
+        """When `iid` served again after a fault at `since`: its first READY sample after a restart
+        (inf: not seen). Not its first READY one: a hung instance reads READY until its detection, and
+        a daemon that adopts it mid-hang reads it READY again (samples come every 0.1 s when the
+        daemon answers at once, seconds apart under load: a restart's not-READY moment is missed)."""
+        before = [r.get(iid, 0) for t, _, r in self.samples if t <= since]
+        restarts = before[-1] if before else 0
+        for t, ready, r in self.samples:
+            if t > since and iid in ready and r.get(iid, 0) > restarts:
+                return t
+        return math.inf
+
+
+def owed(rec: dict[str, Any], faults: list[dict[str, Any]], readiness: Readiness | None = None) -> str | None:
+    """The fault a failed answer is owed to (its kind), or None: a finding. `readiness`: NGINX mode's,
+    where a 502 or 503 while no instance could answer is owed ("none serving")."""
+    if readiness is not None and rec.get("status") in (502, 503) and readiness.none_serving(rec["t0"], rec["t1"], faults):
+        return "none serving"
     for f in faults:
         if rec.get("port") in f.get("ports", ()) and rec["t1"] >= f["t"]:
             return f["kind"]  # a killed worker's connection, or a retired NGINX worker's
         if f["kind"] == "daemon" and f.get("owes_chat") and rec["kind"] == "chat" and \
                 f["t"] <= rec["t1"] and rec["t0"] <= f["t"] + DAEMON_WINDOW_S:
             return "daemon"
-        if f["kind"] in ENGINE_WINDOW_S and rec["kind"] != "unary" and rec["head"] is not None and \
+        if f["kind"] in ENGINE_WINDOW_S and rec["kind"] != "unary" and rec.get("status") == 200 and \
                 rec["t0"] <= f["t"] + ENGINE_WINDOW_S[f["kind"]] and rec["t1"] >= f["t"]:
             return f["kind"]
     return None
@@ -354,6 +420,9 @@ def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients
         users = [Client(run.listen_port, KINDS[i % len(KINDS)], i, stop) for i in range(clients)]
         for u in users:
             u.start()
+        readiness = Readiness(run, stop) if proxy == "nginx" else None
+        if readiness is not None:
+            readiness.start()
         chaos = Chaos(run, tmp, config, rng, proxy)
         t_start = time.time()
         time.sleep(2.0)
@@ -372,12 +441,14 @@ def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients
         stop.set()
         for u in users:
             u.join(90)
+        if readiness is not None:
+            readiness.join(10)
         records = [r for u in users for r in u.records]
         failed = [r for r in records if not r["ok"]]
         by_owner: dict[str, int] = {}
         findings, owed_list = [], []
         for r in failed:
-            owner = owed(r, applied) if not r.get("wrong") else None
+            owner = owed(r, applied, readiness) if not r.get("wrong") else None
             brief = {**{k: r.get(k) for k in ("kind", "port", "error")}, "t0_s": round(r["t0"] - t_start, 3),
                      "t1_s": round(r["t1"] - t_start, 3), "head": r["head"] is not None}
             if owner is None:
