@@ -25,8 +25,8 @@ request written just then is lost: NGINX's own behaviour, docs/live-restore.md),
 within DAEMON_WINDOW_S of a daemon kill (NGINX mode's /v1 is the daemon's own listener), and a 502 or
 503 while no instance could answer (each not READY, or killed or hung and not back yet) or within
 NGINX's passive check's period after (NGINX holds no request: docs/health.md; the readiness is
-sampled from the control socket every 0.1 s). Every other failure, and every answer whose text is wrong, is
-a finding. Then the run must settle (every instance READY, the workers wanted alive, no
+sampled from the control socket every 0.1 s). Every other failure, and every answer whose text is
+wrong, is a finding. Then the run must settle (every instance READY, the workers wanted alive, no
 process beyond the plan's), and after `down` nothing may be left.
 
 Goals: 0 unexplained failures, 0 wrong texts, settled, 0 processes left.
@@ -350,7 +350,8 @@ class Readiness(threading.Thread):
 def owed(rec: dict[str, Any], faults: list[dict[str, Any]], readiness: Readiness | None = None) -> str | None:
     """The fault a failed answer is owed to (its kind), or None: a finding. `readiness`: NGINX mode's,
     where a 502 or 503 while no instance could answer is owed ("none serving")."""
-    if readiness is not None and rec.get("status") in (502, 503) and readiness.none_serving(rec["t0"], rec["t1"], faults):
+    if readiness is not None and rec.get("status") in (502, 503) and \
+            readiness.none_serving(rec["t0"], rec["t1"], faults):
         return "none serving"
     for f in faults:
         if rec.get("port") in f.get("ports", ()) and rec["t1"] >= f["t"]:
@@ -495,7 +496,8 @@ def report(result: dict[str, Any]) -> str:
                      "unexplained": result["unexplained"], "wrong": result["wrong_texts"],
                      "settle_s": result["settle_s"], "left": len(result["leaked_pids"])}],
                    ["answers", *KINDS, "failed", "owed", "unexplained", "wrong", "settle_s", "left"]),
-             "", f"seed {result['seed']}, {result.get('proxy', 'embedded')} data plane, {result['seconds']:g} s of faults "
+             "", f"seed {result['seed']}, {result.get('proxy', 'embedded')} data plane, "
+                 f"{result['seconds']:g} s of faults "
                  f"every ~{result['gap_s']:g} s, "
                  f"{result['clients']} clients; faults applied: "
                  + ", ".join(f"{k} {v}" for k, v in result["fault_counts"].items())

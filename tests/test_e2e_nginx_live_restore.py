@@ -102,8 +102,11 @@ def test_a_detached_daemon_leaves_nginx_and_an_adopted_master_that_dies_is_repla
     print(f"adopted master killed: {across.ok} HTTP ok, {len(across.failures)} failed: {across.failures[:3]}")
     assert across.ok
     proxy = nginx_of(st)
-    assert not proxy["adopted"] and proxy["restarts"] == 1
+    assert not proxy["adopted"] and proxy["restarts"] >= 1
     with Load(run, threads=1) as load:
         time.sleep(1.0)
     assert load.ok and load.failures == [], load.failures[:5]
-    assert gone(old)  # the dead master's orphaned workers were retired
+    deadline = time.monotonic() + 10  # the dead master's orphaned workers are retired (told to quit)
+    while not gone(old) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(old), [p for p in old if psutil.pid_exists(p)]
