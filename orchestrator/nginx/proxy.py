@@ -19,7 +19,7 @@ watchdog or upgraded leaves it serving the native HTTP and gRPC routes on the la
 set, and the next `up` adopts it (`state_record`, controlplane/adoption.py) instead of
 stopping it: no connection refused or cut. Nginx reloads then only if the config the new
 daemon renders differs (the OpenAI listener binds its recorded port again for that).
-The OpenAI routes are the daemon's own listener's: they answer 502 while no daemon runs.
+The OpenAI routes are the daemon's own listener's: they answer 503 (Retry-After) while no daemon runs.
 
 Lifecycle (one owner: the daemon):
     proxy = NginxProxy(settings, ready_backends, state_dir, logger, planned=..., on_change=..., adopt=...)
