@@ -315,8 +315,8 @@ class NginxProxy:
         balancer polling it took the node out (tests/test_e2e_nginx_live_restore.py: 43 503s in
         a restart). The file is held as it is for as long as an adopted instance has to answer
         its probes (docs/live-restore.md), then the ready set is written whatever it is."""
-        s = self._settings
-        window = s.probe_failures * (s.probe_interval_s + s.probe_timeout_s)
+        from orchestrator.controlplane.instance import adopted_ready_s
+        window = adopted_ready_s(self._settings)  # the adopted instances' own window, one rule
         assert self._loop is not None
         self._hold_empty_until = time.monotonic() + window
         self._hold_timer = self._loop.call_later(window, lambda: self._on_ready_set(self._backends.current()))
