@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -229,10 +228,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _check_listen_ports(settings: cfg.Settings, plan, sd, instances: bool = True) -> None:
     from orchestrator.launcher.ports import taken_ports
     from orchestrator.controlplane.reaper import leftover_processes
+    from orchestrator.launcher.process_tree import process_tree
     # A SIGKILLed predecessor may still hold our ports: those are not strangers. Only the
     # daemon sweeps them, under its lock, so a racing `up` can never lose its processes.
     # Their children too: a managed NGINX's workers hold its listening sockets.
-    ours = frozenset(_with_children(leftover_processes(sd))) if sd.root.exists() else frozenset()
+    ours = frozenset(c.pid for p in leftover_processes(sd) for c in process_tree(p.pid)) if sd.root.exists() \
+        else frozenset()
     for inst in plan.instances if instances else ():  # under Slurm they are other hosts' ports
         busy = taken_ports(inst.bind_address, inst.ports.all(), ours)
         if busy:
@@ -247,16 +248,6 @@ def _check_listen_ports(settings: cfg.Settings, plan, sd, instances: bool = True
             busy = taken_ports(host, (port,), ours) if port else []
             if busy:  # a predecessor's data-plane workers hold it: theirs to hand over, not strangers
                 raise UsageError(cfg.flag(name), value, "address in use: " + ", ".join(busy))
-
-
-def _with_children(procs: list[Any]) -> set[int]:
-    import psutil
-    out = set()
-    for p in procs:
-        out.add(p.pid)
-        with contextlib.suppress(psutil.Error):
-            out.update(c.pid for c in p.children(recursive=True))
-    return out
 
 
 def setup_logging(level: str) -> None:

@@ -260,6 +260,11 @@ class Settings:
         if not self.tensorrt_llm_model or any(not m for m in self.tensorrt_llm_model):
             raise UsageError("--tensorrt-llm-model", ",".join(self.tensorrt_llm_model), "needs a model name")
 
+    def public_addresses(self) -> dict[str, str]:
+        """The data plane's public addresses as state.json records them: a data plane (workers,
+        or a managed NGINX) is adopted by the next daemon only if its config asks for the same."""
+        return {"listen": self.listen, "grpc_listen": self.grpc_listen, "metrics_listen": self.metrics_listen}
+
     def worker_count(self, cpus: int | None = None) -> int:
         """--proxy-workers as a number. auto: a quarter of the CPUs, 1 to 16. One worker relays
         ~100k+ streamed tokens/s; the ranks (one busy core each), their Python-backend stubs and

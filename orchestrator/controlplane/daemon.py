@@ -113,10 +113,9 @@ class Daemon:
             sd.release_lock()
 
     def _find_prior(self) -> Prior:
-        s = self.settings
-        listen = {"listen": s.listen, "grpc_listen": s.grpc_listen, "metrics_listen": s.metrics_listen}
         return find_prior(self.state_dir.read_state(), self.plan.instances, self._build_command,
-                          str(self.state_dir.root), listen, local_launcher=self._launcher is None)
+                          str(self.state_dir.root), self.settings.public_addresses(),
+                          local_launcher=self._launcher is None)
 
     def _make_shared(self, watcher: ExitWatcher, session: aiohttp.ClientSession) -> Shared:
         root = str(self.state_dir.root)

@@ -568,8 +568,7 @@ class WorkerPool:
                 if created is not None:
                     workers.append({"slot": slot.index, "pid": proc.pid, "create_time": created,
                                     "version": slot.version})
-        return {"listen": {"listen": s.listen, "grpc_listen": s.grpc_listen, "metrics_listen": s.metrics_listen},
-                "workers": workers}
+        return {"listen": s.public_addresses(), "workers": workers}
 
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self._slots.values() if s.proc is not None and s.proc.returncode is None]

@@ -362,8 +362,7 @@ class NginxMaster:
         """An adopted master died, and its sockets are its orphaned workers' alone. Told to quit
         (SIGQUIT), they close them at once and finish their requests; the addresses are bound
         again as soon as they are free (up to the grace), for the new master to inherit."""
-        for pgid in self._orphans:
-            _kill_each(await asyncio.to_thread(live_group_members, pgid), signal.SIGQUIT)
+        await self._retire_orphans()
         deadline = time.monotonic() + self._orphan_grace_s
         assert self._reopen is not None
         while True:

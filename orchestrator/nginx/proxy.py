@@ -250,8 +250,7 @@ class NginxProxy:
             created = psutil.Process(pid).create_time()
         except psutil.Error:
             return {}
-        s = self._settings
-        return {"listen": {"listen": s.listen, "grpc_listen": s.grpc_listen, "metrics_listen": s.metrics_listen},
+        return {"listen": self._settings.public_addresses(),
                 "nginx": {"pid": pid, "create_time": created, "prefix": str(self._dir), "http_port": self._port,
                           "grpc_port": self._grpc_port,
                           "openai_port": self._openai.bound_port if self._openai is not None else 0}}
