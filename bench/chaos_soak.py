@@ -21,8 +21,7 @@ A failed answer is *owed* to a fault where the promises allow it: it was on a co
 worker held, or it was a stream whose answer had begun (a 200 head out: never retried) when an
 engine fault hit, within the fault's window. With `--proxy nginx` also: a request on a connection an
 NGINX worker held when a reload retired it (NGINX closes kept connections after their answer, and a
-request written just then is lost: NGINX's own behaviour, docs/live-restore.md), and an OpenAI chat
-within DAEMON_WINDOW_S of a daemon kill (NGINX mode's /v1 is the daemon's own listener), and a 502 or
+request written just then is lost: NGINX's own behaviour, docs/live-restore.md), and a 502 or
 503 while no instance could answer (each not READY, or killed or hung and not back yet) or within
 NGINX's passive check's period after (NGINX holds no request: docs/health.md; the readiness is
 sampled from the control socket every 0.1 s). Every other failure, and every answer whose text is
@@ -64,8 +63,6 @@ FAST = ("--probe-interval-s", "0.5", "--probe-timeout-s", "0.5", "--probe-failur
 # After an engine fault, how long a stream under way there may still end failed: the fault found
 # (a kill at once, a hang after the probes' ~1.5 s; on a loaded 2-core box a few seconds more).
 ENGINE_WINDOW_S = {"engine": 5.0, "hang": 10.0}
-# NGINX mode: how long after a daemon kill its /v1 listener may be away (the next `up` binds it again).
-DAEMON_WINDOW_S = 10.0
 PROXIES = ("embedded", "nginx")
 GENERATE = "/v2/models/ensemble/generate"
 STREAM = "/v2/models/ensemble/generate_stream"
@@ -276,7 +273,7 @@ class Chaos:
         self.daemons += 1
         self.run.log_path = self.tmp / f"daemon-{self.daemons}.log"  # each daemon's own log
         self.run.start(wait_ready=False)
-        return {"pid": pid, "new_pid": self.run.proc.pid if self.run.proc else None, "owes_chat": self.proxy == "nginx"}
+        return {"pid": pid, "new_pid": self.run.proc.pid if self.run.proc else None}
 
     def _reload(self, st: dict[str, Any]) -> dict[str, Any]:
         # the other worker count: a smaller pool drains the workers it stops
@@ -356,9 +353,6 @@ def owed(rec: dict[str, Any], faults: list[dict[str, Any]], readiness: Readiness
     for f in faults:
         if rec.get("port") in f.get("ports", ()) and rec["t1"] >= f["t"]:
             return f["kind"]  # a killed worker's connection, or a retired NGINX worker's
-        if f["kind"] == "daemon" and f.get("owes_chat") and rec["kind"] == "chat" and \
-                f["t"] <= rec["t1"] and rec["t0"] <= f["t"] + DAEMON_WINDOW_S:
-            return "daemon"
         if f["kind"] in ENGINE_WINDOW_S and rec["kind"] != "unary" and rec.get("status") == 200 and \
                 rec["t0"] <= f["t"] + ENGINE_WINDOW_S[f["kind"]] and rec["t1"] >= f["t"]:
             return f["kind"]
@@ -371,9 +365,14 @@ def settle(run: Run, timeout: float) -> tuple[dict[str, Any], float]:
 
     def settled(st: dict[str, Any]) -> bool:
         pool = st["proxies"][0]
-        if pool.get("kind") == "nginx":
-            return st["ready"] == st["total"] and pool["state"] == "running"
-        return st["ready"] == st["total"] and pool["workers_alive"] == pool["workers_wanted"] == len(pool["workers"])
+        if pool.get("kind") == "nginx":  # and its OpenAI workers (/v1/)
+            pool, running = pool.get("openai") or {}, pool["state"] == "running"
+            if not pool:
+                return st["ready"] == st["total"] and running
+        else:
+            running = True
+        return st["ready"] == st["total"] and running and \
+            pool["workers_alive"] == pool["workers_wanted"] == len(pool["workers"])
     deadline = t + timeout
     while True:
         st = _status(run)
@@ -387,7 +386,8 @@ def settle(run: Run, timeout: float) -> tuple[dict[str, Any], float]:
 def _plan_processes(run: Run, st: dict[str, Any]) -> dict[str, Any]:
     """The processes of the state dir beyond what the settled status accounts for (leaks while running)."""
     listed = {pid for i in st["instances"] for pid in i.get("pids", [])}
-    listed |= {w["pid"] for p in st["proxies"] for w in p.get("workers", []) if w.get("pid")}
+    pools = [q for p in st["proxies"] for q in (p, p.get("openai") or {})]  # NGINX mode: its OpenAI workers
+    listed |= {w["pid"] for p in pools for w in p.get("workers", []) if w.get("pid")}
     listed |= {p["pid"] for p in st["proxies"] if p.get("kind") == "nginx" and p.get("pid")}
     listed.add(st["daemon"]["pid"])
     extra, servers = [], 0
@@ -433,8 +433,8 @@ def soak(seconds: float, seed: int, gap: float, faults: tuple[str, ...], clients
             if done is not None:
                 done["at_s"] = round(done["t"] - t_start, 2)
                 applied.append(done)
-                print(f"  {done['at_s']:6.2f} s  {kind:7s} {({k: v for k, v in done.items() if k in ('pid', 'instance', 'workers', 'rc')})}",
-                      flush=True)
+                shown = {k: v for k, v in done.items() if k in ('pid', 'instance', 'workers', 'rc')}
+                print(f"  {done['at_s']:6.2f} s  {kind:7s} {shown}", flush=True)
             time.sleep(gap * rng.uniform(0.5, 1.5))
         t_faults_end = time.time()
         st, settle_s = settle(run, 120.0)

@@ -42,20 +42,21 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     planned: every instance of the plan (nginx lists them all, ready or not).
     on_change: called when a proxy's own state changes (nginx restarted its master), so
     the daemon can rewrite state.json and tell systemd; proxies may also have status().
-    adopt: data-plane workers a previous daemon left serving (live restore); adopt_nginx: its
-    NGINX master (controlplane/adoption.AdoptableNginx), the same for `--proxy nginx`.
+    adopt: data-plane workers a previous daemon left serving (live restore: the embedded data
+    plane's, or the OpenAI workers of the other modes); adopt_nginx: its NGINX master
+    (controlplane/adoption.AdoptableNginx), for `--proxy nginx`.
     """
     logger = logging.getLogger("trtllm-orch.proxy")
     if settings.proxy == "none":
         if settings.openai == "on" and settings.openai_listen:
             # The OpenAI API for a system NGINX, which forwards /v1/ here (render-nginx).
-            from orchestrator.dataplane.openai_listener import OpenAIListener
-            return [OpenAIListener(settings, backends, logger)]
+            from orchestrator.controlplane.openai_workers import OpenAIWorkers
+            return [OpenAIWorkers(settings, backends, state_dir, logger, adopt=adopt, on_change=on_change)]
         return []
     if settings.proxy == "nginx":
         from orchestrator.nginx.proxy import NginxProxy
         return [NginxProxy(settings, backends, state_dir, logger, planned=planned, on_change=on_change,
-                           adopt=adopt_nginx)]
+                           adopt=adopt_nginx, adopt_workers=adopt)]
     # The embedded proxy runs in worker processes beside the daemon (the data plane):
     # the daemon's own crash, GC pause or upgrade touches no client connection.
     from orchestrator.controlplane.workers import WorkerPool

@@ -113,16 +113,18 @@ def header(status: dict[str, Any], error: str = "") -> Text:
     text.append(f"ready {ready}/{total}", style="green" if ready == total and total else "yellow")
     text.append(f"  tokens/s {d.get('tokens_per_s', 0):.1f}  held {d.get('held', 0)}"
                 f"  daemon pid {d.get('pid')} up {_duration(d.get('uptime_s'))}")
-    for pool in status.get("proxies", []):  # the data plane's worker processes, total and each
-        if "workers" in pool:
-            alive, wanted = pool.get("workers_alive", 0), pool.get("workers_wanted", 0)
-            text.append(f"\nworkers {alive}/{wanted}", style="green" if alive == wanted else "yellow")
-            text.append(f"  conns {pool.get('connections', 0)}  in flight {pool.get('inflight', 0)}  "
-                        + "  ".join(f"w{w['slot']}:{w.get('connections', 0)}c/{w.get('inflight', 0)}f"
-                                    for w in pool["workers"]))
-            without = [f"w{w['slot']}" for w in pool["workers"] if w.get("front_missing")]
-            if without:  # --front auto, not built: aiohttp serves them at a fraction of the rate
-                text.append(f"  no compiled front: {' '.join(without)}", style="yellow")
+    # the data plane's worker processes, total and each (NGINX mode: its OpenAI workers)
+    pools = [p for proxy in status.get("proxies", []) for p in (proxy, proxy.get("openai") or {}) if "workers" in p]
+    for pool in pools:
+        alive, wanted = pool.get("workers_alive", 0), pool.get("workers_wanted", 0)
+        label = "openai workers" if pool.get("kind") == "openai" else "workers"
+        text.append(f"\n{label} {alive}/{wanted}", style="green" if alive == wanted else "yellow")
+        text.append(f"  conns {pool.get('connections', 0)}  in flight {pool.get('inflight', 0)}  "
+                    + "  ".join(f"w{w['slot']}:{w.get('connections', 0)}c/{w.get('inflight', 0)}f"
+                                for w in pool["workers"]))
+        without = [f"w{w['slot']}" for w in pool["workers"] if w.get("front_missing")]
+        if without:  # --front auto, not built: aiohttp serves them at a fraction of the rate
+            text.append(f"  no compiled front: {' '.join(without)}", style="yellow")
     if d.get("rolling_restart"):
         text.append("  rolling restart", style="magenta")
     if d.get("stopping"):

@@ -8,7 +8,7 @@ import os
 import psutil
 import pytest
 
-from orchestrator.controlplane.adoption import find_prior
+from orchestrator.controlplane.adoption import same_addresses, find_prior
 from orchestrator.launcher.command import LaunchCommand
 from orchestrator.plan import InstancePlan, Ports
 
@@ -87,6 +87,15 @@ def test_workers_serving_other_addresses_are_not_adopted():
     assert prior.workers == [] and "data plane: not adopted: it serves" in prior.notes[0]
 
 
+def test_an_address_the_daemon_before_did_not_record_counts_as_unset():
+    """openai_listen is recorded since the OpenAI workers: an upgrade still adopts the data plane
+    of the release before, unless this config sets it."""
+    now = {**LISTEN, "openai_listen": ""}
+    assert same_addresses(LISTEN, now) and same_addresses(now, now)
+    assert not same_addresses(LISTEN, {**LISTEN, "openai_listen": "127.0.0.1:8085"})
+    assert not same_addresses(None, now)
+
+
 def test_restart_counts_carry_over_adopted_or_not_slurm_too():
     # `status` counts the service's restarts, not this daemon's: a watchdog's restart of the
     # daemon showed every count at 0 (bench/chaos_soak.py). Carried for the instances planned,
@@ -119,7 +128,7 @@ def nginx_record(**kw) -> dict:
     (nginx_record(), f"nginx: pid {os.getpid()} is not this state dir's nginx master"),
     (nginx_record(prefix="/elsewhere/nginx"), "is not this state dir's nginx master"),
 ])
-def test_an_nginx_master_is_adopted_only_if_it_is_this_runs_and_serves_the_same_addresses(state, note):
+def test_an_nginx_master_is_adopted_only_if_it_is_this_runs_and_serves_thesame_addresses(state, note):
     # (a real master is adopted end to end: tests/test_e2e_nginx_live_restore.py)
     prior = find_prior(state, [PLAN], build, "/x", LISTEN)
     assert prior.nginx is None and os.getpid() not in prior.keep_pids()

@@ -14,6 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
+from tests.harness import free_port
 from tests.test_e2e_faults import Load, alive
 
 pytestmark = pytest.mark.e2e
@@ -88,11 +89,13 @@ def grpc_client(run) -> Loop:
     return Loop(once)
 
 
-def openai_client(run) -> Loop:
+def openai_client(run, url: str = "") -> Loop:
+    """/v1/completions in a loop, at the endpoint (or at `url`: the OpenAI workers' own listener)."""
     body = json.dumps({"model": "ensemble", "prompt": "an OpenAI call", "max_tokens": 4}).encode()
+    url = url or run.url("/v1/completions")
 
     def once() -> None:
-        req = urllib.request.Request(run.url("/v1/completions"), data=body,
+        req = urllib.request.Request(url, data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert json.loads(resp.read())["choices"][0]["text"]
@@ -421,3 +424,31 @@ def test_upgrade_from_the_last_landed_release_adopts_everything_under_load(orch_
     assert all(i["restarts"] == 0 and i["state"] == "READY" for i in after["instances"]), after["instances"]
     assert load.failures == [] and streams.cut == [], (load.failures[:3], streams.cut[:3])
     assert run.cli("down", "--state-dir", str(run.state_dir), timeout=120).returncode == 0
+
+
+def test_proxy_none_serves_v1_from_workers_that_outlive_the_daemon(orch_run):
+    """`--proxy none --openai-listen` (where a system NGINX sends /v1/, render-nginx): the daemon
+    runs OpenAI workers there (controlplane/openai_workers.py), not a listener in its own process:
+    a kill -9 of the daemon leaves them serving and the next `up` adopts them."""
+    port = free_port()
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, proxy="none",
+                   extra=("--openai-listen", f"127.0.0.1:{port}", "--proxy-workers", "2")).start()
+    workers = worker_pids(run.status())
+    assert len(workers) == 2
+    client = openai_client(run, f"http://127.0.0.1:{port}/v1/completions")
+    client.start()
+    time.sleep(1.0)
+    kill_daemon(run)
+    served_at_kill = client.ok
+    time.sleep(2.0)
+    assert client.ok > served_at_kill, "/v1/ was not served while the daemon was away"
+    run.start()
+    time.sleep(1.0)
+    client.stop.set()
+    client.join(60)
+    assert client.failures == [] and client.ok, client.failures[:3]
+    assert worker_pids(run.status()) == workers  # the same processes, adopted
+    text = run.cli("status", "--state-dir", str(run.state_dir), check=True).stdout
+    assert "openai workers running  2/2 workers" in text
+    print(f"--proxy none: {client.ok} OpenAI requests across the daemon's kill, 0 failed")
+    # (after `down`, the fixture finds no process of the run left)

@@ -3,7 +3,7 @@
 One real daemon per mode (`--gpus 0 --tp 1 --assume-gpus 1`: one instance of the demo
 repository; `--hold-s 0`, `--max-failures 1` and no canary, so the last case can leave
 nothing ready), shared by the module. Embedded mode translates in the proxy; NGINX mode
-forwards /v1/ to the daemon's loopback OpenAI listener. Expected texts come from the
+forwards /v1/ to the OpenAI workers' loopback listener. Expected texts come from the
 twin's own token function (`vocab.generate_text`), usage from the model's counts: a
 prompt is its UTF-8 bytes, each generated word one token.
 """
@@ -11,6 +11,7 @@ prompt is its UTF-8 bytes, each generated word one token.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -74,6 +75,24 @@ def test_completion(orch):
     assert r.choices[0].text == vocab.generate_text("hello", 5)
     assert r.choices[0].finish_reason == "length" and r.object == "text_completion"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 5, 10)
+
+
+def test_metrics_count_v1(orch):
+    """The endpoint's /metrics counts /v1/ requests: the workers' own (embedded), or in NGINX mode
+    the daemon's, which reads its OpenAI workers' files (controlplane/openai_workers.py)."""
+    mode, run = orch
+
+    def completions_200() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        line = r'^trtllm_orch_proxy_openai_requests_total\{api="openai.completions",code="200"\} (\S+)$'
+        found = re.search(line, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = completions_200()
+    for _ in range(3):
+        client(run).completions.create(model="ensemble", prompt="counted", max_tokens=2)
+    assert completions_200() == before + 3, mode
 
 
 def test_chat(orch):

@@ -1,4 +1,4 @@
-"""NGINX mode's /v1/: rendered to the daemon's OpenAI listener, errors in OpenAI's shape, and `nginx -t`."""
+"""NGINX mode's /v1/: rendered to the OpenAI workers' listener, errors in OpenAI's shape, and `nginx -t`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.controlplane.openai_workers import upstream_address
 from orchestrator.nginx.proxy import render_nginx_config
 from tests.test_nginx_render import NGINX, TWO, block, needs_nginx, nginx_t, settings
 
@@ -60,3 +61,12 @@ def test_full_config_with_v1_passes_nginx_t(tmp_path: Path) -> None:
                                         openai_upstream="127.0.0.1:39000"))
     result = nginx_t(conf, tmp_path)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.unit
+def test_the_openai_upstream_is_the_listen_host_or_loopback() -> None:
+    assert upstream_address("", 7001) == "127.0.0.1:7001"  # the default: loopback, a free port
+    assert upstream_address("0.0.0.0:8085", 8085) == "127.0.0.1:8085"
+    assert upstream_address("[::]:8085", 8085) == "127.0.0.1:8085"
+    assert upstream_address("10.1.2.3:8085", 8085) == "10.1.2.3:8085"
+    assert upstream_address("[::1]:8085", 8085) == "[::1]:8085"

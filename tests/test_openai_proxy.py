@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import platform
-import resource
 import shutil
 from pathlib import Path
 
@@ -24,11 +22,9 @@ from aiohttp import web
 
 from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend
-from orchestrator.dataplane import descriptors
 from orchestrator.dataplane.embedded import EmbeddedProxy
-from orchestrator.dataplane.openai_listener import OpenAIListener
+from orchestrator.controlplane.openai_workers import openai_settings
 from tests.fakes import RecordingBackends
-from tests.harness import descriptor_table
 
 pytestmark = pytest.mark.unit
 
@@ -431,25 +427,28 @@ async def test_a_stream_that_a_stop_finds_on_a_kept_connection_then_its_next_req
         writer.close()
 
 
-async def test_openai_listener_serves_only_v1():
+async def test_openai_workers_settings_serve_only_v1():
+    """What an OpenAI worker runs (controlplane/openai_workers.py): /v1/ alone, the loopback proxy
+    in front trusted, no gRPC or /metrics of its own, aiohttp's front."""
     up = await fake()
     backends = RecordingBackends()
-    listener = OpenAIListener(Settings(listen="127.0.0.1:0", openai_listen="127.0.0.1:0", model_repo=str(DEMO_REPO),
-                                       trusted_proxy=("10.0.0.1",)), backends)
-    await listener.start()
+    s = openai_settings(Settings(listen="127.0.0.1:0", openai_listen="127.0.0.1:0", model_repo=str(DEMO_REPO),
+                                 grpc_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", proxy="nginx",
+                                 trusted_proxy=("10.0.0.1",)))
+    assert (s.grpc_listen, s.metrics_listen, s.front) == ("", "", "aiohttp")
+    assert s.trusted_proxy == ("10.0.0.1", "127.0.0.1", "::1")
+    proxy = EmbeddedProxy(s, backends, openai_only=s.proxy != "embedded")  # as dataplane/worker.py decides
+    await proxy.start()
     try:
-        # the daemon's descriptor table grown at the start, not under NGINX's burst (descriptors.py)
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        assert descriptor_table(os.getpid()) >= descriptors.wanted(Settings().max_client_connections, soft)
         backends.publish((Backend("0", "127.0.0.1", up.port, 1, 2),))
-        url = f"http://127.0.0.1:{listener.bound_port}"
-        async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v2/models/ensemble/generate", json={"text_input": "x", "max_tokens": 1}) as r:
+        url = f"http://127.0.0.1:{proxy.bound_port}"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v2/models/ensemble/generate", json={"text_input": "x", "max_tokens": 1}) as r:
                 assert r.status == 404  # nginx serves the native API itself
-            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                              headers={"X-Forwarded-For": "203.0.113.9"}) as r:
+            async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                    headers={"X-Forwarded-For": "203.0.113.9"}) as r:
                 assert r.status == 200 and (await r.json())["choices"][0]["text"] == " the"
-        assert up.requests and listener.inflight() == {"0": 0}
+        assert up.requests and proxy.inflight() == {"0": 0}
     finally:
-        await listener.stop(0.5)
+        await proxy.stop(0.5)
         await up.close()

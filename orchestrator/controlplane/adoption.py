@@ -164,7 +164,7 @@ def _same_place(launch: str, plan: InstancePlan) -> bool:
 def _workers(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[list[AdoptableWorker], list[str]]:
     if not isinstance(record, dict) or not record.get("workers"):
         return [], []
-    if record.get("listen") != listen:
+    if not same_addresses(record.get("listen"), listen):
         return [], [f"data plane: not adopted: it serves {record.get('listen')}, this config {listen}"]
     out, notes = [], []
     for w in record["workers"]:
@@ -181,10 +181,17 @@ def _workers(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[list[
     return out, notes
 
 
+def same_addresses(recorded: Any, listen: dict[str, str]) -> bool:
+    """Whether a data plane recorded as serving `recorded` serves this config's addresses. An
+    address a daemon before it did not record counts as '' (openai_listen, recorded since the
+    OpenAI workers: an upgrade adopts the data plane of the release before)."""
+    return isinstance(recorded, dict) and {k: recorded.get(k, "") for k in listen} == listen
+
+
 def _nginx(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[AdoptableNginx | None, list[str]]:
     if not isinstance(record, dict) or not isinstance(record.get("nginx"), dict):
         return None, []
-    if record.get("listen") != listen:
+    if not same_addresses(record.get("listen"), listen):
         return None, [f"nginx: not adopted: it serves {record.get('listen')}, this config {listen}"]
     r = record["nginx"]
     try:

@@ -373,12 +373,8 @@ class Daemon:
         llm: dict[str, dict[str, Any]] = {}
         held = 0
         for proxy in self.proxies:
-            if hasattr(proxy, "llm_summary"):  # the worker pool: every worker's, merged
-                llm.update(proxy.llm_summary())
-                held += proxy.held_now()
-            elif getattr(proxy, "metrics", None) is not None:  # in-process: NGINX mode's OpenAI listener
-                llm.update(proxy.metrics.recent.summary())
-                held += proxy.metrics.held_now()
+            llm.update(proxy.llm_summary())  # the data-plane workers': every worker's, merged
+            held += proxy.held_now()
         return llm, held
 
     async def _gpu_status(self) -> dict[int, dict[str, Any]]:

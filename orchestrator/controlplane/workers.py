@@ -91,8 +91,11 @@ class WorkerPool:
 
     def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
                  logger: logging.Logger | None = None, on_change: Callable[[], None] | None = None,
-                 adopt: list[AdoptableWorker] | None = None) -> None:
+                 adopt: list[AdoptableWorker] | None = None, listen_flag: str = "--listen") -> None:
+        """listen_flag: the option `settings.listen` came from, for the errors that name it (the
+        OpenAI workers' is --openai-listen: controlplane/openai_workers.py)."""
         self._settings = settings
+        self._listen_flag = listen_flag
         self._backends = backends
         self._state_dir = state_dir
         self._log = logger or logging.getLogger("trtllm-orch.dataplane")
@@ -123,6 +126,7 @@ class WorkerPool:
         self._adopting = bool(self._adopt)
         self._handover: asyncio.Task[None] | None = None
         self._got_sockets = asyncio.Event()
+        self._bound = asyncio.Event()  # the listening socket is here: bound, or handed over
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -131,9 +135,7 @@ class WorkerPool:
         try:
             if not await self._adopt_workers():
                 self._fresh_files()
-                self._sockets["listen"] = bind_listener(s.listen, "--listen")
-                if s.metrics_listen:
-                    self._sockets["metrics_listen"] = bind_listener(s.metrics_listen, "--metrics-listen")
+                self._bind_public()
                 await self._start_feed()
             self._write_settings()
             self._unsubscribe = self._backends.subscribe(self._on_members)
@@ -224,15 +226,36 @@ class WorkerPool:
                               "stopped, new ones started", HANDOVER_TIMEOUT_S)
             await self._retire(list(self._slots.values()), 0)
             try:
-                self._sockets["listen"] = bind_listener(s.listen, "--listen")
-                if s.metrics_listen:
-                    self._sockets["metrics_listen"] = bind_listener(s.metrics_listen, "--metrics-listen")
+                self._bind_public()
             except OrchError as exc:
                 self._log.error("live restore: the data plane cannot start: %s", exc)
                 return
         else:
             self._log.info("live restore: adopted %d data-plane worker(s) and their sockets", len(self._slots))
         await self._resize(s.worker_count())
+
+    def _bind_public(self) -> None:
+        s = self._settings
+        try:
+            self._sockets["listen"] = bind_listener(s.listen, self._listen_flag)
+            if s.metrics_listen:
+                self._sockets["metrics_listen"] = bind_listener(s.metrics_listen, "--metrics-listen")
+        except OrchError:
+            for sock in self._sockets.values():
+                sock.close()
+            self._sockets.clear()
+            raise
+        self._bound.set()
+
+    async def listen_port(self, timeout_s: float = HANDOVER_TIMEOUT_S + 1.0) -> int:
+        """The port the workers listen on: bound at start, or (adopting) that of the socket an
+        adopted worker hands over, else of the one bound anew when none does."""
+        try:
+            await asyncio.wait_for(self._bound.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise OrchError(f"{self._listen_flag}={self._settings.listen!r}: the data plane has no listening "
+                            f"socket after {timeout_s:.0f}s") from None
+        return int(self._sockets["listen"].getsockname()[1])
 
     async def _stop_strays(self) -> None:
         for w in self._adopt:
@@ -268,6 +291,8 @@ class WorkerPool:
                         sock.setblocking(False)
                         self._sockets[name] = sock
                     self._got_sockets.set()
+                    if "listen" in self._sockets:
+                        self._bound.set()
         finally:
             server.close()
             with contextlib.suppress(FileNotFoundError):
@@ -553,6 +578,11 @@ class WorkerPool:
         return self._stamps.routed(iid, now)
 
     # --- what the daemon asks ------------------------------------------------------------------
+    @property
+    def prom_dir(self) -> Path:
+        """Where the workers write their metrics (prometheus_client's multiprocess files)."""
+        return self._prom_dir
+
     def state_record(self) -> dict[str, Any]:
         """What the next daemon needs to adopt these workers (live restore)."""
         s = self._settings

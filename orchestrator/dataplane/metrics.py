@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +123,7 @@ class ProxyMetrics:
         # A data-plane worker: every worker writes its values to files here and a scrape
         # of any worker adds them all up (prometheus_client's multiprocess mode).
         self.multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+        self._own_values = False  # ours are not in those files (add_worker_files)
         self.extra_collectors: list[Any] = []  # served beside ours (the workers' own table)
         # Counting queued for after the answers (the compiled front's, front/path.py): done before
         # a read of the metrics, on the loop that queued it.
@@ -267,6 +269,13 @@ class ProxyMetrics:
     def held_now(self) -> int:
         return sum(count() for count in self._held_gauges.values())
 
+    def add_worker_files(self, path: Path) -> None:
+        """Serve the values data-plane workers write under `path` beside this process's own:
+        NGINX mode's daemon, whose /metrics counts its OpenAI workers' requests
+        (controlplane/openai_workers.py). A family of theirs replaces our empty one."""
+        self.multiproc_dir = str(path)
+        self._own_values = True
+
     def settle(self) -> None:
         """Count what is queued (see `unsettled`): from the loop thread, before reading."""
         for account in self.unsettled:
@@ -295,7 +304,8 @@ class ProxyMetrics:
     def render(self) -> bytes:
         if self.multiproc_dir:
             registry = CollectorRegistry(auto_describe=False)
-            registry.register(_EveryWorker(self.multiproc_dir, self.registry, (self._engines, *self.extra_collectors)))
+            registry.register(_EveryWorker(self.multiproc_dir, self.registry, (self._engines, *self.extra_collectors),
+                                           own_values=self._own_values))
             return generate_latest(registry)
         return generate_latest(self.registry)
 
@@ -306,10 +316,13 @@ class _EveryWorker:
     the HELP/TYPE of each metric no worker has a sample of yet: one process showed those
     too, and a dashboard or alert rule must find a family before its first retry."""
 
-    def __init__(self, path: str, local: CollectorRegistry, live: tuple[Any, ...]) -> None:
+    def __init__(self, path: str, local: CollectorRegistry, live: tuple[Any, ...], own_values: bool = False) -> None:
+        """own_values: the local families' samples are this process's own, not in the files (a
+        daemon's beside its workers'): served where no file has the family."""
         self._files = MultiProcessCollector(None, path=path)
         self._local = local
         self._live = live
+        self._own_values = own_values
 
     def collect(self) -> Any:
         from prometheus_client.metrics_core import Metric
@@ -322,7 +335,7 @@ class _EveryWorker:
         for family in self._local.collect():
             if family.name not in seen:
                 seen.add(family.name)
-                yield Metric(family.name, family.documentation, family.type)
+                yield family if self._own_values else Metric(family.name, family.documentation, family.type)
 
 
 class EngineCollector:

@@ -227,8 +227,11 @@ class Worker:
         turns = SharedTurns(self.turns) if self.turns is not None else None
         shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane, routed),
                                turns)
-        proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, shared=shared,
-                                            sockets=self._sockets, tally=lambda n=1: table.add_requests(slot, n),
+        # A data plane behind a proxy that cannot translate (NGINX) serves it /v1/ alone
+        # (controlplane/openai_workers.py).
+        proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, openai_only=s.proxy != "embedded",
+                                            shared=shared, sockets=self._sockets,
+                                            tally=lambda n=1: table.add_requests(slot, n),
                                             accept_share=AcceptShare(table, slot))]
         if s.grpc_listen:
             from orchestrator.dataplane.grpc_proxy import GrpcProxy

@@ -18,8 +18,9 @@ The master lives apart from the daemon (live restore): a daemon killed, restarte
 watchdog or upgraded leaves it serving the native HTTP and gRPC routes on the last ready
 set, and the next `up` adopts it (`state_record`, controlplane/adoption.py) instead of
 stopping it: no connection refused or cut. Nginx reloads then only if the config the new
-daemon renders differs (the OpenAI listener binds its recorded port again for that).
-The OpenAI routes are the daemon's own listener's: they answer 503 (Retry-After) while no daemon runs.
+daemon renders differs. The OpenAI routes go to data-plane workers of their own
+(controlplane/openai_workers.py), which live apart from the daemon too: the next daemon adopts
+them with their loopback socket, so the config names the same port.
 
 Lifecycle (one owner: the daemon):
     proxy = NginxProxy(settings, ready_backends, state_dir, logger, planned=..., on_change=..., adopt=...)
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from orchestrator.config import Settings, parse_host_port
+from orchestrator.controlplane.openai_workers import FLAG, OpenAIWorkers, upstream_address
 from orchestrator.errors import EnvironmentProblem, OrchError
 from orchestrator.templates import render
 from orchestrator.routing.backends import Backend, ReadyBackends
@@ -54,7 +56,7 @@ from orchestrator.routing.surface import admin_regexes
 from orchestrator.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from orchestrator.controlplane.adoption import AdoptableNginx
+    from orchestrator.controlplane.adoption import AdoptableNginx, AdoptableWorker
 
 TEMPLATE = "nginx.conf.j2"
 CONF_NAME = "nginx.conf"
@@ -92,7 +94,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
     map and the two server blocks) for a system nginx's sites-available; it sets no
     pid, log or temp paths and no http-level directives. listen_port/grpc_port replace
     the ports of --listen/--grpc-listen (used when those ask for port 0). openai_upstream:
-    the daemon's OpenAI listener that /v1/ goes to (default: --openai-listen, for the
+    the OpenAI workers' listener that /v1/ goes to (default: --openai-listen, for the
     snippet; none: no /v1/).
     """
     host, port = parse_host_port(settings.listen, "--listen")
@@ -103,8 +105,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
     full = prefix_dir is not None
     ready_dir = prefix_dir / "health" if prefix_dir is not None else None
     if openai_upstream is None and settings.openai == "on" and settings.openai_listen:
-        oh, op = parse_host_port(settings.openai_listen, "--openai-listen")
-        openai_upstream = _addr("127.0.0.1" if oh in ("0.0.0.0", "::") else oh, op)
+        openai_upstream = upstream_address(settings.openai_listen, parse_host_port(settings.openai_listen, FLAG)[1])
     return render(
         TEMPLATE,
         full=full,
@@ -158,7 +159,8 @@ def _write_ready_file(path: Path, ready: int) -> None:
 class NginxProxy:
     def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
                  logger: logging.Logger | None = None, *, planned: tuple[Backend, ...],
-                 on_change: Callable[[], None] | None = None, adopt: "AdoptableNginx | None" = None) -> None:
+                 on_change: Callable[[], None] | None = None, adopt: "AdoptableNginx | None" = None,
+                 adopt_workers: "list[AdoptableWorker] | None" = None) -> None:
         if not planned:
             raise ValueError("NginxProxy needs the planned instances (its upstreams list them all)")
         self._settings = settings
@@ -196,14 +198,15 @@ class NginxProxy:
             self._grpc_port = adopt.grpc_port if self._grpc_listen else None
         self.reloads = 0  # applied reloads (config changes), for status and tests
         self.last_error = ""
-        # NGINX cannot translate the OpenAI API: /v1/ goes to this loopback listener of ours,
-        # started before nginx and stopped after it (in-flight /v1/ requests pass through both).
-        self._openai: Any = None
+        # NGINX cannot translate the OpenAI API: /v1/ goes to OpenAI workers on loopback, started
+        # before nginx and stopped after it (in-flight /v1/ requests pass through both).
+        self._openai: OpenAIWorkers | None = None
         if settings.openai == "on":
-            from orchestrator.dataplane.openai_listener import OpenAIListener
             # adopting: on the port the master's config names, so that it needs no reload
-            self._openai = OpenAIListener(settings, backends, self._log, metrics=self.metrics,
-                                          port=adopt.openai_port if adopt is not None else 0)
+            self._openai = OpenAIWorkers(settings, backends, Path(state_dir), self._log,
+                                         port=adopt.openai_port if adopt is not None else 0,
+                                         adopt=adopt_workers, on_change=on_change)
+            self.metrics.add_worker_files(self._openai.prom_dir)  # /metrics counts their /v1/ requests
 
     # --- public ------------------------------------------------------------------
     @property
@@ -225,15 +228,29 @@ class NginxProxy:
 
     def pids(self) -> list[int]:
         pid = self._master.pid if self._master is not None else None
-        return [pid] if pid is not None else []
+        return ([pid] if pid is not None else []) + (self._openai.pids() if self._openai is not None else [])
 
     def inflight(self) -> dict[str, int]:
         return {}  # nginx does not tell us per instance
 
+    def held_now(self) -> int:
+        return self._openai.held_now() if self._openai is not None else 0
+
+    def llm_summary(self) -> dict[str, dict[str, Any]]:
+        """The /v1/ requests' last minute per instance (NGINX's own relaying is not timed)."""
+        return self._openai.llm_summary() if self._openai is not None else {}
+
+    def abort_instance(self, host: str, port: int, reason: str, answering: bool) -> None:
+        """The OpenAI workers fail their requests in flight there; NGINX's timeouts decide its own."""
+        if self._openai is not None:
+            self._openai.abort_instance(host, port, reason, answering)
+
     def status(self) -> dict[str, Any]:
         """For the daemon's `status`: is the endpoint really there?"""
         master = self._master.status() if self._master is not None else {"state": "stopped", "pid": None}
-        return {"kind": "nginx", **master, "listen": _addr(self._listen[0], self._port),
+        return {"kind": "nginx", **master,
+                "openai": self._openai.status() if self._openai is not None else None,
+                "listen": _addr(self._listen[0], self._port),
                 # (a gRPC listener has its port: the asked one, then the bound one)
                 "grpc_listen": _addr(self._grpc_listen[0], self._grpc_port)  # type: ignore[arg-type]
                 if self._grpc_listen else "",
@@ -241,16 +258,19 @@ class NginxProxy:
                 "last_error": self.last_error}
 
     def state_record(self) -> dict[str, Any]:
-        """What the next daemon needs to adopt this master (live restore); {} while none runs."""
+        """What the next daemon needs to adopt this master and the OpenAI workers (live restore)."""
+        record: dict[str, Any] = {"listen": self._settings.public_addresses()}
+        if self._openai is not None:
+            record["workers"] = self._openai.workers_record()
         master = self._master
         pid = master.pid if master is not None else None
         if pid is None:
-            return {}
+            return record
         try:
             created = psutil.Process(pid).create_time()
         except psutil.Error:
-            return {}
-        return {"listen": self._settings.public_addresses(),
+            return record
+        return {**record,
                 "nginx": {"pid": pid, "create_time": created, "prefix": str(self._dir), "http_port": self._port,
                           "grpc_port": self._grpc_port,
                           "openai_port": self._openai.bound_port if self._openai is not None else 0}}
@@ -261,13 +281,13 @@ class NginxProxy:
         self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self._dir / "temp").mkdir(exist_ok=True, mode=0o700)
         self._ready_file.parent.mkdir(exist_ok=True, mode=0o700)
-        if self._openai is not None:
-            await self._openai.start()  # its port goes into the config
         adopt = self._adopt
-        listeners: list[socket.socket] = []
+        # The public ports first: one taken fails `up` before any OpenAI worker starts.
+        listeners: list[socket.socket] = self._open_listeners() if adopt is None else []
         try:
+            if self._openai is not None:
+                await self._openai.start()  # its port goes into the config
             if adopt is None:
-                listeners = self._open_listeners()
                 error = await self._write_checked(self._render())
                 if error:
                     raise OrchError(f"--proxy=nginx: rendered config fails `nginx -t`: {error}")
@@ -322,7 +342,7 @@ class NginxProxy:
 
     async def detach(self) -> None:
         """Leave the master serving for the next daemon (an upgrade); stop what is ours."""
-        await self._end(lambda master: master.detach())
+        await self._end(lambda master: master.detach(), lambda openai: openai.detach())
 
     def apply_settings(self, settings: Settings) -> None:
         """A reload of the daemon's config: nginx reloads only if the rendered config changed.
@@ -341,11 +361,12 @@ class NginxProxy:
                 await asyncio.shield(getattr(self, attr))
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        await self._end(lambda master: master.stop(grace_s))
+        await self._end(lambda master: master.stop(grace_s), lambda openai: openai.stop(grace_s))
 
-    async def _end(self, end_master: Callable[[NginxMaster], Awaitable[None]]) -> None:
+    async def _end(self, end_master: Callable[[NginxMaster], Awaitable[None]],
+                   end_openai: Callable[[OpenAIWorkers], Awaitable[None]]) -> None:
         """Stop or detach: our tasks first, then the master's watch (`end_master`), then the
-        OpenAI listener (after nginx: its last /v1/ requests have drained through it)."""
+        OpenAI workers' (after nginx: its last /v1/ requests have drained through them)."""
         self._stopping = True
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -360,7 +381,8 @@ class NginxProxy:
                 setattr(self, attr, None)
         if self._master is not None:
             await end_master(self._master)
-        await self._stop_openai(1.0)
+        if self._openai is not None:
+            await end_openai(self._openai)
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -473,7 +495,7 @@ class NginxProxy:
 
     def _render(self) -> str:
         worker_user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else None
-        openai = _addr("127.0.0.1", self._openai.bound_port) if self._openai is not None else ""
+        openai = self._openai.upstream if self._openai is not None else ""
         return render_nginx_config(self._settings, self._planned, self._dir, listen_port=self._port,
                                    grpc_port=self._grpc_port, worker_user=worker_user, openai_upstream=openai)
 
