@@ -205,6 +205,8 @@ def _dataplane_pids(st: dict[str, Any]) -> list[int]:
     """The processes serving clients: the live data-plane workers, or NGINX's workers."""
     proxy = st["proxies"][0]
     if proxy.get("kind") == "nginx":
+        if not proxy.get("pid"):  # none yet (a daemon starting): psutil.Process(None) is this process
+            return []
         try:
             return [c.pid for c in psutil.Process(proxy["pid"]).children()
                     if "shutting down" not in " ".join(c.cmdline())]
@@ -365,8 +367,8 @@ def settle(run: Run, timeout: float) -> tuple[dict[str, Any], float]:
 
     def settled(st: dict[str, Any]) -> bool:
         pool = st["proxies"][0]
-        if pool.get("kind") == "nginx":  # and its OpenAI workers (/v1/)
-            pool, running = pool.get("openai") or {}, pool["state"] == "running"
+        if pool.get("kind") == "nginx":  # and its side workers
+            pool, running = pool.get("side") or {}, pool["state"] == "running"
             if not pool:
                 return st["ready"] == st["total"] and running
         else:
@@ -386,7 +388,7 @@ def settle(run: Run, timeout: float) -> tuple[dict[str, Any], float]:
 def _plan_processes(run: Run, st: dict[str, Any]) -> dict[str, Any]:
     """The processes of the state dir beyond what the settled status accounts for (leaks while running)."""
     listed = {pid for i in st["instances"] for pid in i.get("pids", [])}
-    pools = [q for p in st["proxies"] for q in (p, p.get("openai") or {})]  # NGINX mode: its OpenAI workers
+    pools = [q for p in st["proxies"] for q in (p, p.get("side") or {})]  # NGINX mode: its side workers
     listed |= {w["pid"] for p in pools for w in p.get("workers", []) if w.get("pid")}
     listed |= {p["pid"] for p in st["proxies"] if p.get("kind") == "nginx" and p.get("pid")}
     listed.add(st["daemon"]["pid"])

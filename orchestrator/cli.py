@@ -240,8 +240,8 @@ def _check_listen_ports(settings: cfg.Settings, plan, sd, instances: bool = True
             raise UsageError("--base-port", settings.base_port,
                              f"instance {inst.instance_id} port(s) in use: {', '.join(busy)}")
     names = [] if settings.proxy == "none" else ["listen", "grpc_listen", "metrics_listen"]
-    if settings.openai == "on" and settings.proxy != "embedded":
-        names.append("openai_listen")  # the OpenAI workers' (controlplane/openai_workers.py)
+    if settings.proxy == "nginx" or settings.proxy == "none" and settings.openai == "on":
+        names.append("openai_listen")  # the side workers' (controlplane/side_workers.py)
     for name in names:
         value = getattr(settings, name)
         if value:
@@ -323,9 +323,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def format_workers(pool: dict[str, Any], daemon_version: str = "") -> list[str]:
     """The data plane: a total line, then one line per worker process. A worker whose code
-    is not the daemon's (adopted across an upgrade) says so, and what replaces it. The OpenAI
-    workers (NGINX mode's /v1/) are named so."""
-    label = "openai workers" if pool.get("kind") == "openai" else "data plane"
+    is not the daemon's (adopted across an upgrade) says so, and what replaces it. The side
+    workers (beside NGINX) are named so."""
+    label = "side workers" if pool.get("kind") == "side" else "data plane"
     lines = [f"{label} {pool.get('state')}  {pool.get('workers_alive', 0)}/{pool.get('workers_wanted', 0)} "
              f"workers  connections {pool.get('connections', 0)}  in flight {pool.get('inflight', 0)}  "
              f"requests {pool.get('requests', 0)}"]
@@ -356,8 +356,8 @@ def format_status(status: dict[str, Any]) -> str:
                      + ("  (adopted: started by the daemon before this one)" if proxy.get("adopted") else ""))
         if proxy.get("last_failure"):
             lines.append(f"      last failure: {proxy['last_failure']}")
-        if proxy.get("openai"):  # NGINX mode's /v1/, in workers of its own
-            lines += format_workers(proxy["openai"], d.get("version", ""))
+        if proxy.get("side"):  # NGINX mode's side workers: /v1/ and its hold
+            lines += format_workers(proxy["side"], d.get("version", ""))
     lines.append(f"{'ID':<4}{'GPUS':<10}{'STATE':<11}{'HTTP':<7}{'GRPC':<7}{'METRICS':<9}{'UPTIME':<9}"
                  f"{'RESTARTS':<10}{'INFLIGHT':<10}PIDS")
     for inst in status["instances"]:

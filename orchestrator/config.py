@@ -162,10 +162,10 @@ class Settings:
                              group="openai", metavar="DIR")
     openai_max_tokens: int = opt(4096, "max_tokens of a chat completion that sets none "
                                  "(/v1/completions: OpenAI's default, 16)", group="openai", metavar="N")
-    openai_listen: str = opt("", "the OpenAI workers' listener (data-plane processes serving /v1/ alone), for "
-                             "a proxy that cannot translate: --proxy nginx forwards /v1/ to it (default: "
-                             "loopback, a free port); --proxy none runs them only when set (point a system "
-                             "NGINX's /v1/ at it)",
+    openai_listen: str = opt("", "the side workers' listener (data-plane processes beside a proxy that cannot "
+                             "translate): --proxy nginx forwards /v1/ to it, and what no instance took "
+                             "(default: loopback, a free port); --proxy none runs them only when set, "
+                             "serving /v1/ alone (point a system NGINX's /v1/ at it)",
                              group="openai", metavar="HOST:PORT")
 
     # --- health -----------------------------------------------------------------
@@ -311,7 +311,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 NEEDS_DOWN_UP = ("gpus", "tp", "assume_gpus", "placement", "cpu_affinity", "topology", "base_port",
                  "bind_address", "bind_interface", "launcher", "state_dir", "proxy", "front", "listen", "grpc_listen",
                  "metrics_listen", "nginx", "detach",
-                 # whether /v1/ exists and where the OpenAI workers listen: the proxies' layout
+                 # whether /v1/ exists and where the side workers listen: the proxies' layout
                  "openai", "openai_listen")
 # Part of the launch command: each instance takes them when the rolling restart relaunches it.
 APPLIED_AT_RELAUNCH = ("model_repo", "tensorrt_llm_model", "mpirun", "tritonserver", "tritonserver_arg",

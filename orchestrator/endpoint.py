@@ -43,15 +43,15 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     on_change: called when a proxy's own state changes (nginx restarted its master), so
     the daemon can rewrite state.json and tell systemd; proxies may also have status().
     adopt: data-plane workers a previous daemon left serving (live restore: the embedded data
-    plane's, or the OpenAI workers of the other modes); adopt_nginx: its NGINX master
+    plane's, or the side workers of the other modes); adopt_nginx: its NGINX master
     (controlplane/adoption.AdoptableNginx), for `--proxy nginx`.
     """
     logger = logging.getLogger("trtllm-orch.proxy")
     if settings.proxy == "none":
         if settings.openai == "on" and settings.openai_listen:
             # The OpenAI API for a system NGINX, which forwards /v1/ here (render-nginx).
-            from orchestrator.controlplane.openai_workers import OpenAIWorkers
-            return [OpenAIWorkers(settings, backends, state_dir, logger, adopt=adopt, on_change=on_change)]
+            from orchestrator.controlplane.side_workers import SideWorkers
+            return [SideWorkers(settings, backends, state_dir, logger, adopt=adopt, on_change=on_change)]
         return []
     if settings.proxy == "nginx":
         from orchestrator.nginx.proxy import NginxProxy

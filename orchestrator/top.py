@@ -113,11 +113,11 @@ def header(status: dict[str, Any], error: str = "") -> Text:
     text.append(f"ready {ready}/{total}", style="green" if ready == total and total else "yellow")
     text.append(f"  tokens/s {d.get('tokens_per_s', 0):.1f}  held {d.get('held', 0)}"
                 f"  daemon pid {d.get('pid')} up {_duration(d.get('uptime_s'))}")
-    # the data plane's worker processes, total and each (NGINX mode: its OpenAI workers)
-    pools = [p for proxy in status.get("proxies", []) for p in (proxy, proxy.get("openai") or {}) if "workers" in p]
+    # the data plane's worker processes, total and each (NGINX mode: its side workers)
+    pools = [p for proxy in status.get("proxies", []) for p in (proxy, proxy.get("side") or {}) if "workers" in p]
     for pool in pools:
         alive, wanted = pool.get("workers_alive", 0), pool.get("workers_wanted", 0)
-        label = "openai workers" if pool.get("kind") == "openai" else "workers"
+        label = "side workers" if pool.get("kind") == "side" else "workers"
         text.append(f"\n{label} {alive}/{wanted}", style="green" if alive == wanted else "yellow")
         text.append(f"  conns {pool.get('connections', 0)}  in flight {pool.get('inflight', 0)}  "
                     + "  ".join(f"w{w['slot']}:{w.get('connections', 0)}c/{w.get('inflight', 0)}f"

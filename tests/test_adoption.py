@@ -88,7 +88,7 @@ def test_workers_serving_other_addresses_are_not_adopted():
 
 
 def test_an_address_the_daemon_before_did_not_record_counts_as_unset():
-    """openai_listen is recorded since the OpenAI workers: an upgrade still adopts the data plane
+    """openai_listen is recorded since the side workers: an upgrade still adopts the data plane
     of the release before, unless this config sets it."""
     now = {**LISTEN, "openai_listen": ""}
     assert same_addresses(LISTEN, now) and same_addresses(now, now)

@@ -90,7 +90,7 @@ def grpc_client(run) -> Loop:
 
 
 def openai_client(run, url: str = "") -> Loop:
-    """/v1/completions in a loop, at the endpoint (or at `url`: the OpenAI workers' own listener)."""
+    """/v1/completions in a loop, at the endpoint (or at `url`: the side workers' own listener)."""
     body = json.dumps({"model": "ensemble", "prompt": "an OpenAI call", "max_tokens": 4}).encode()
     url = url or run.url("/v1/completions")
 
@@ -428,7 +428,7 @@ def test_upgrade_from_the_last_landed_release_adopts_everything_under_load(orch_
 
 def test_proxy_none_serves_v1_from_workers_that_outlive_the_daemon(orch_run):
     """`--proxy none --openai-listen` (where a system NGINX sends /v1/, render-nginx): the daemon
-    runs OpenAI workers there (controlplane/openai_workers.py), not a listener in its own process:
+    runs side workers there (controlplane/side_workers.py), not a listener in its own process:
     a kill -9 of the daemon leaves them serving and the next `up` adopts them."""
     port = free_port()
     run = orch_run(gpus="0-1", tp=1, assume_gpus=2, proxy="none",
@@ -449,6 +449,6 @@ def test_proxy_none_serves_v1_from_workers_that_outlive_the_daemon(orch_run):
     assert client.failures == [] and client.ok, client.failures[:3]
     assert worker_pids(run.status()) == workers  # the same processes, adopted
     text = run.cli("status", "--state-dir", str(run.state_dir), check=True).stdout
-    assert "openai workers running  2/2 workers" in text
+    assert "side workers running  2/2 workers" in text
     print(f"--proxy none: {client.ok} OpenAI requests across the daemon's kill, 0 failed")
     # (after `down`, the fixture finds no process of the run left)

@@ -30,9 +30,9 @@ def nginx_of(status: dict) -> dict:
     return proxy
 
 
-def openai_worker_pids(status: dict) -> list[int]:
-    """NGINX mode's OpenAI workers (controlplane/openai_workers.py)."""
-    return sorted(w["pid"] for w in nginx_of(status)["openai"]["workers"])
+def side_worker_pids(status: dict) -> list[int]:
+    """NGINX mode's side workers (controlplane/side_workers.py)."""
+    return sorted(w["pid"] for w in nginx_of(status)["side"]["workers"])
 
 
 def master_and_workers(master: int) -> list[int]:
@@ -60,8 +60,8 @@ def gone(pids: list[int]) -> bool:
 def test_kill_9_of_the_daemon_leaves_nginx_serving_and_the_next_up_adopts_it(orch_run):
     run = orch_run(gpus="0-1", tp=1, assume_gpus=2, proxy="nginx", extra=("--proxy-workers", "2")).start()
     before = run.status()
-    master, engines, openai_workers = nginx_of(before)["pid"], engine_pids(before), openai_worker_pids(before)
-    assert len(openai_workers) == 2  # as many as NGINX's workers
+    master, engines, side_workers = nginx_of(before)["pid"], engine_pids(before), side_worker_pids(before)
+    assert len(side_workers) == 2  # as many as NGINX's workers
     clients = [Streams(run, tokens=8), grpc_client(run), health_client(run), openai_client(run)]
     load, adopted_in = kill_and_up_under_load(run, clients)  # the same ports again
     after = run.status()
@@ -69,9 +69,9 @@ def test_kill_9_of_the_daemon_leaves_nginx_serving_and_the_next_up_adopts_it(orc
     streams, grpc_loop, health, openai_loop = clients
     assert load.failures == [], load.failures[:5]
     assert streams.cut == [] and grpc_loop.failures == [], (streams.cut[:3], grpc_loop.failures[:3])
-    # /v1/ too: its workers live apart from the daemon (before, the daemon served it: 503 while away)
+    # /v1/ too: its side workers live apart from the daemon (before, the daemon served it: 503 while away)
     assert openai_loop.failures == [] and openai_loop.ok, openai_loop.failures[:3]
-    assert openai_worker_pids(after) == openai_workers
+    assert side_worker_pids(after) == side_workers
     # the new daemon's ready set is empty until its probes pass: NGINX's health answer keeps the last one's
     assert health.failures == [], health.failures[:3]
     assert streams.done and grpc_loop.ok and health.ok
@@ -79,7 +79,7 @@ def test_kill_9_of_the_daemon_leaves_nginx_serving_and_the_next_up_adopts_it(orc
     assert proxy["reloads"] == 0  # the config rendered again is the same: no reload closed a connection
     text = run.cli("status", "--state-dir", str(run.state_dir), check=True).stdout
     assert f"nginx running  pid {master}  restarts 0  (adopted: started by the daemon before this one)" in text
-    assert "openai workers running  2/2 workers" in text
+    assert "side workers running  2/2 workers" in text
     assert engine_pids(after) == engines
     assert "nginx: adopting master pid" in run.daemon_log()
     print(f"nginx adopted, instances ready {adopted_in:.2f} s after the new up; {load.ok} HTTP, {streams.done} "
@@ -93,13 +93,13 @@ def test_a_detached_daemon_leaves_nginx_and_an_adopted_master_that_dies_is_repla
     when it dies its orphaned workers are retired, the addresses bound again and a new
     master started on them."""
     run = orch_run(gpus="0-1", tp=1, assume_gpus=2, proxy="nginx").start()
-    master, openai_workers = nginx_of(run.status())["pid"], openai_worker_pids(run.status())
+    master, side_workers = nginx_of(run.status())["pid"], side_worker_pids(run.status())
     os.kill(run.status()["daemon"]["pid"], signal.SIGUSR2)
     run.proc.wait(timeout=30)
     assert run.proc.returncode == 75  # detached: Restart= starts the next daemon
-    assert psutil.pid_exists(master) and all(psutil.pid_exists(p) for p in openai_workers)
+    assert psutil.pid_exists(master) and all(psutil.pid_exists(p) for p in side_workers)
     run.start()
-    assert nginx_of(run.status())["pid"] == master and openai_worker_pids(run.status()) == openai_workers
+    assert nginx_of(run.status())["pid"] == master and side_worker_pids(run.status()) == side_workers
     old = master_and_workers(master)
     with Load(run, threads=2) as across:
         time.sleep(0.5)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import aiohttp
@@ -297,7 +298,7 @@ def _workers(proxy: NginxProxy) -> set[int]:
 async def test_ready_file_follows_the_ready_set_without_reload(upstreams, proxy_factory) -> None:
     a, b = upstreams
     ready = ReadyBackends()
-    proxy = await proxy_factory(ready, planned(upstreams))
+    proxy = await proxy_factory(ready, planned(upstreams), hold_s=0.5)
     workers = _workers(proxy)
     async with aiohttp.ClientSession() as session:
         async with session.get(url(proxy, "/v2/health/ready")) as resp:
@@ -311,18 +312,22 @@ async def test_ready_file_follows_the_ready_set_without_reload(upstreams, proxy_
         await proxy.wait_synced()
         async with session.get(url(proxy, "/v2/health/ready")) as resp:
             assert (await resp.json())["backends"] == 2
-        # Every instance down: nobody answers. With some READY that is a 502 ...
+        # Every instance down: nobody answers. With some READY that is a 502 (NGINX's backup, the
+        # side workers, tried the ready ones too) ...
         await a.stop()
         await b.stop()
         async with session.post(url(proxy, "/v2/models/m/generate")) as resp:
-            assert resp.status == 502 and (await resp.json())["error"] == "no instance answered"
-        # ... with none READY a 503 that says when to come back, like the embedded proxy.
+            assert resp.status == 502 and "connect_refused" in (await resp.json())["error"]
+        # ... with none READY a 503 that says when to come back, after the side workers' hold
+        # (their 503 is one `proxy_next_upstream http_503` counts as failed: NGINX answers its own).
         ready.publish(())
         await proxy.wait_synced()
         for path in ("/v2/models/m/generate", "/v2/models/m/generate_stream"):
+            t0 = time.monotonic()
             async with session.post(url(proxy, path)) as resp:
                 assert resp.status == 503 and resp.headers["Retry-After"] == "5", path
                 assert (await resp.json())["error"] == "no ready backend"
+            assert time.monotonic() - t0 >= 0.5, path  # held
     assert proxy.reloads == 0 and _workers(proxy) == workers  # not one reload
 
 
@@ -405,7 +410,8 @@ async def test_reload_keeps_in_flight_stream(upstreams, proxy_factory) -> None:
             proxy.apply_settings(make_settings(max_attempts=2))
             proxy.apply_settings(make_settings(max_attempts=4))
             await proxy.wait_synced()
-            assert proxy.reloads == 1 and "proxy_next_upstream_tries 4;" in proxy.config_path.read_text()
+            # (4 attempts at the instances, one at the side workers: the backup)
+            assert proxy.reloads == 1 and "proxy_next_upstream_tries 5;" in proxy.config_path.read_text()
             async with aiohttp.ClientSession() as fresh:
                 async with fresh.post(url(proxy, "/v2/models/m/generate")) as resp:
                     assert (await resp.json())["instance"] == "0"

@@ -77,6 +77,17 @@ def test_full_config_keeps_everything_in_prefix(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+def test_the_side_workers_are_the_http_upstreams_backup() -> None:
+    """NGINX holds no request: what no instance took goes to the side workers, which hold it
+    (controlplane/side_workers.py); gRPC has no such server. One attempt more for the backup."""
+    text = render_nginx_config(settings(), TWO, Path("/p"), backup="127.0.0.1:7000")
+    assert directives(block(text, "upstream trtllm_http"))[-3:-2] == ["server 127.0.0.1:7000 max_fails=0 backup;"]
+    assert not any("backup" in ln for ln in directives(block(text, "upstream trtllm_grpc")))
+    assert f"proxy_next_upstream_tries {settings().max_attempts + 1};" in directives(block(text, "server {"))
+    assert "backup;" not in render_nginx_config(settings(), TWO, Path("/p"))  # none given: none rendered
+
+
+@pytest.mark.unit
 def test_upstream_and_proxy_settings() -> None:
     text = render_nginx_config(settings(), TWO, Path("/p"))
     up = directives(block(text, "upstream trtllm_http"))

@@ -3,7 +3,7 @@
 One real daemon per mode (`--gpus 0 --tp 1 --assume-gpus 1`: one instance of the demo
 repository; `--hold-s 0`, `--max-failures 1` and no canary, so the last case can leave
 nothing ready), shared by the module. Embedded mode translates in the proxy; NGINX mode
-forwards /v1/ to the OpenAI workers' loopback listener. Expected texts come from the
+forwards /v1/ to the side workers' loopback listener. Expected texts come from the
 twin's own token function (`vocab.generate_text`), usage from the model's counts: a
 prompt is its UTF-8 bytes, each generated word one token.
 """
@@ -79,7 +79,7 @@ def test_completion(orch):
 
 def test_metrics_count_v1(orch):
     """The endpoint's /metrics counts /v1/ requests: the workers' own (embedded), or in NGINX mode
-    the daemon's, which reads its OpenAI workers' files (controlplane/openai_workers.py)."""
+    the daemon's, which reads its side workers' files (controlplane/side_workers.py)."""
     mode, run = orch
 
     def completions_200() -> float:

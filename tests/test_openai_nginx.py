@@ -1,4 +1,4 @@
-"""NGINX mode's /v1/: rendered to the OpenAI workers' listener, errors in OpenAI's shape, and `nginx -t`."""
+"""NGINX mode's /v1/: rendered to the side workers' listener, errors in OpenAI's shape, and `nginx -t`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.controlplane.openai_workers import upstream_address
+from orchestrator.controlplane.side_workers import upstream_address
 from orchestrator.nginx.proxy import render_nginx_config
 from tests.test_nginx_render import NGINX, TWO, block, needs_nginx, nginx_t, settings
 

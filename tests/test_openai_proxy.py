@@ -23,7 +23,8 @@ from aiohttp import web
 from orchestrator.config import Settings
 from orchestrator.routing.backends import Backend
 from orchestrator.dataplane.embedded import EmbeddedProxy
-from orchestrator.controlplane.openai_workers import openai_settings
+from orchestrator.controlplane.side_workers import side_settings
+from orchestrator.dataplane.worker import serves_openai_only
 from tests.fakes import RecordingBackends
 
 pytestmark = pytest.mark.unit
@@ -427,24 +428,26 @@ async def test_a_stream_that_a_stop_finds_on_a_kept_connection_then_its_next_req
         writer.close()
 
 
-async def test_openai_workers_settings_serve_only_v1():
-    """What an OpenAI worker runs (controlplane/openai_workers.py): /v1/ alone, the loopback proxy
-    in front trusted, no gRPC or /metrics of its own, aiohttp's front."""
+async def test_side_workers_of_proxy_none_serve_only_v1():
+    """What a side worker runs (controlplane/side_workers.py): the loopback proxy in front trusted,
+    no gRPC or /metrics of its own, aiohttp's front; --proxy none's serve /v1/ alone."""
     up = await fake()
     backends = RecordingBackends()
-    s = openai_settings(Settings(listen="127.0.0.1:0", openai_listen="127.0.0.1:0", model_repo=str(DEMO_REPO),
-                                 grpc_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", proxy="nginx",
+    s = side_settings(Settings(listen="127.0.0.1:0", openai_listen="127.0.0.1:0", model_repo=str(DEMO_REPO),
+                                 grpc_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", proxy="none",
                                  trusted_proxy=("10.0.0.1",)))
     assert (s.grpc_listen, s.metrics_listen, s.front) == ("", "", "aiohttp")
     assert s.trusted_proxy == ("10.0.0.1", "127.0.0.1", "::1")
-    proxy = EmbeddedProxy(s, backends, openai_only=s.proxy != "embedded")  # as dataplane/worker.py decides
+    assert serves_openai_only(s) and not serves_openai_only(side_settings(Settings(proxy="nginx")))
+    proxy = EmbeddedProxy(s, backends, openai_only=serves_openai_only(s))  # as dataplane/worker.py decides
     await proxy.start()
     try:
         backends.publish((Backend("0", "127.0.0.1", up.port, 1, 2),))
         url = f"http://127.0.0.1:{proxy.bound_port}"
         async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v2/models/ensemble/generate", json={"text_input": "x", "max_tokens": 1}) as r:
-                assert r.status == 404  # nginx serves the native API itself
+            native = {"text_input": "x", "max_tokens": 1}
+            async with session.post(url + "/v2/models/ensemble/generate", json=native) as r:
+                assert r.status == 404  # the system nginx serves the native API itself
             async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
                                     headers={"X-Forwarded-For": "203.0.113.9"}) as r:
                 assert r.status == 200 and (await r.json())["choices"][0]["text"] == " the"

@@ -66,7 +66,7 @@ class AdoptableNginx:
     create_time: float
     http_port: int  # the ports it serves (a ':0' address was bound by its daemon)
     grpc_port: int | None
-    openai_port: int  # where its config sends /v1/ (0: none)
+    side_port: int  # where its config sends /v1/ and its backup (the side workers'; 0: none)
 
 
 @dataclass
@@ -184,7 +184,7 @@ def _workers(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[list[
 def same_addresses(recorded: Any, listen: dict[str, str]) -> bool:
     """Whether a data plane recorded as serving `recorded` serves this config's addresses. An
     address a daemon before it did not record counts as '' (openai_listen, recorded since the
-    OpenAI workers: an upgrade adopts the data plane of the release before)."""
+    side workers: an upgrade adopts the data plane of the release before)."""
     return isinstance(recorded, dict) and {k: recorded.get(k, "") for k in listen} == listen
 
 
@@ -197,7 +197,9 @@ def _nginx(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[Adoptab
     try:
         grpc = r.get("grpc_port")
         found = AdoptableNginx(int(r["pid"]), float(r["create_time"]), int(r["http_port"]),
-                               int(grpc) if grpc is not None else None, int(r.get("openai_port") or 0))
+                               int(grpc) if grpc is not None else None,
+                               # openai_port: a daemon's before the side workers, its own /v1/ listener
+                               int(r.get("side_port") or r.get("openai_port") or 0))
     except (KeyError, TypeError, ValueError):
         return None, ["nginx: its record is incomplete: not adopted"]
     prefix = str(Path(state_dir) / "nginx")

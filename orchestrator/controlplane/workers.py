@@ -93,7 +93,7 @@ class WorkerPool:
                  logger: logging.Logger | None = None, on_change: Callable[[], None] | None = None,
                  adopt: list[AdoptableWorker] | None = None, listen_flag: str = "--listen") -> None:
         """listen_flag: the option `settings.listen` came from, for the errors that name it (the
-        OpenAI workers' is --openai-listen: controlplane/openai_workers.py)."""
+        side workers' is --openai-listen: controlplane/side_workers.py)."""
         self._settings = settings
         self._listen_flag = listen_flag
         self._backends = backends

@@ -271,8 +271,8 @@ class ProxyMetrics:
 
     def add_worker_files(self, path: Path) -> None:
         """Serve the values data-plane workers write under `path` beside this process's own:
-        NGINX mode's daemon, whose /metrics counts its OpenAI workers' requests
-        (controlplane/openai_workers.py). A family of theirs replaces our empty one."""
+        NGINX mode's daemon, whose /metrics counts its side workers' requests
+        (controlplane/side_workers.py). A family of theirs replaces our empty one."""
         self.multiproc_dir = str(path)
         self._own_values = True
 

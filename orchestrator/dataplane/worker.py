@@ -97,6 +97,12 @@ def turns_path(state_dir: Path) -> Path:
     return dataplane_dir(state_dir) / "turns"
 
 
+def serves_openai_only(s: Settings) -> bool:
+    """Whether a worker with these settings serves /v1/ alone: the side workers of `--proxy none`
+    (controlplane/side_workers.py), to which a system NGINX sends nothing else."""
+    return s.proxy == "none"
+
+
 def handover_path(state_dir: Path) -> Path:
     """Where a new daemon takes the listening sockets from a worker (SCM_RIGHTS)."""
     return dataplane_dir(state_dir) / "handover.sock"
@@ -227,9 +233,8 @@ class Worker:
         turns = SharedTurns(self.turns) if self.turns is not None else None
         shared = SharedRouting(GlobalInflight(table), WorkerCounts(table, slot), self.prefixes, Journal(lane, routed),
                                turns)
-        # A data plane behind a proxy that cannot translate (NGINX) serves it /v1/ alone
-        # (controlplane/openai_workers.py).
-        proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, openai_only=s.proxy != "embedded",
+        # The side workers of --proxy none serve a system NGINX /v1/ alone (controlplane/side_workers.py).
+        proxies: list[Any] = [EmbeddedProxy(s, backends, self._log, metrics, openai_only=serves_openai_only(s),
                                             shared=shared, sockets=self._sockets,
                                             tally=lambda n=1: table.add_requests(slot, n),
                                             accept_share=AcceptShare(table, slot))]

@@ -18,9 +18,10 @@ The master lives apart from the daemon (live restore): a daemon killed, restarte
 watchdog or upgraded leaves it serving the native HTTP and gRPC routes on the last ready
 set, and the next `up` adopts it (`state_record`, controlplane/adoption.py) instead of
 stopping it: no connection refused or cut. Nginx reloads then only if the config the new
-daemon renders differs. The OpenAI routes go to data-plane workers of their own
-(controlplane/openai_workers.py), which live apart from the daemon too: the next daemon adopts
-them with their loopback socket, so the config names the same port.
+daemon renders differs. The OpenAI routes, and the native HTTP requests no instance took (NGINX
+cannot hold them), go to data-plane side workers (controlplane/side_workers.py), which live
+apart from the daemon too: the next daemon adopts them with their loopback socket, so the
+config names the same port.
 
 Lifecycle (one owner: the daemon):
     proxy = NginxProxy(settings, ready_backends, state_dir, logger, planned=..., on_change=..., adopt=...)
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from orchestrator.config import Settings, parse_host_port
-from orchestrator.controlplane.openai_workers import FLAG, OpenAIWorkers, upstream_address
+from orchestrator.controlplane.side_workers import FLAG, SideWorkers, upstream_address
 from orchestrator.errors import EnvironmentProblem, OrchError
 from orchestrator.templates import render
 from orchestrator.routing.backends import Backend, ReadyBackends
@@ -86,7 +87,8 @@ def _ms(seconds: float) -> int:
 
 def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefix_dir: Path | None,
                         *, listen_port: int | None = None, grpc_port: int | None = None,
-                        worker_user: str | None = None, openai_upstream: str | None = None) -> str:
+                        worker_user: str | None = None, openai_upstream: str | None = None,
+                        backup: str = "") -> str:
     """The nginx config listing `backends` (the daemon passes every planned instance).
 
     prefix_dir set: a complete nginx.conf for our own master (pid, error_log and temp
@@ -94,8 +96,8 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
     map and the two server blocks) for a system nginx's sites-available; it sets no
     pid, log or temp paths and no http-level directives. listen_port/grpc_port replace
     the ports of --listen/--grpc-listen (used when those ask for port 0). openai_upstream:
-    the OpenAI workers' listener that /v1/ goes to (default: --openai-listen, for the
-    snippet; none: no /v1/).
+    the side workers' listener that /v1/ goes to (default: --openai-listen, for the
+    snippet; none: no /v1/). backup: theirs too, the HTTP upstream's backup server (the hold).
     """
     host, port = parse_host_port(settings.listen, "--listen")
     grpc_listen = ""
@@ -139,6 +141,7 @@ def render_nginx_config(settings: Settings, backends: tuple[Backend, ...], prefi
         client_body_timeout_ms=_ms(settings.client_body_timeout_s),
         keepalive_timeout_s=75,
         openai_upstream=openai_upstream or "",
+        backup=backup,
     )
 
 
@@ -198,15 +201,14 @@ class NginxProxy:
             self._grpc_port = adopt.grpc_port if self._grpc_listen else None
         self.reloads = 0  # applied reloads (config changes), for status and tests
         self.last_error = ""
-        # NGINX cannot translate the OpenAI API: /v1/ goes to OpenAI workers on loopback, started
-        # before nginx and stopped after it (in-flight /v1/ requests pass through both).
-        self._openai: OpenAIWorkers | None = None
-        if settings.openai == "on":
-            # adopting: on the port the master's config names, so that it needs no reload
-            self._openai = OpenAIWorkers(settings, backends, Path(state_dir), self._log,
-                                         port=adopt.openai_port if adopt is not None else 0,
-                                         adopt=adopt_workers, on_change=on_change)
-            self.metrics.add_worker_files(self._openai.prom_dir)  # /metrics counts their /v1/ requests
+        # NGINX can neither translate the OpenAI API nor hold a request: /v1/, and what no instance
+        # took, go to side workers on loopback, started before nginx and stopped after it
+        # (in-flight requests pass through both). Adopting: on the port the master's config
+        # names, so that it needs no reload.
+        self._side = SideWorkers(settings, backends, Path(state_dir), self._log,
+                                 port=adopt.side_port if adopt is not None else 0,
+                                 adopt=adopt_workers, on_change=on_change)
+        self.metrics.add_worker_files(self._side.prom_dir)  # /metrics counts the requests they serve
 
     # --- public ------------------------------------------------------------------
     @property
@@ -228,28 +230,27 @@ class NginxProxy:
 
     def pids(self) -> list[int]:
         pid = self._master.pid if self._master is not None else None
-        return ([pid] if pid is not None else []) + (self._openai.pids() if self._openai is not None else [])
+        return ([pid] if pid is not None else []) + self._side.pids()
 
     def inflight(self) -> dict[str, int]:
         return {}  # nginx does not tell us per instance
 
     def held_now(self) -> int:
-        return self._openai.held_now() if self._openai is not None else 0
+        return self._side.held_now()
 
     def llm_summary(self) -> dict[str, dict[str, Any]]:
-        """The /v1/ requests' last minute per instance (NGINX's own relaying is not timed)."""
-        return self._openai.llm_summary() if self._openai is not None else {}
+        """The side workers' last minute per instance (NGINX's own relaying is not timed)."""
+        return self._side.llm_summary()
 
     def abort_instance(self, host: str, port: int, reason: str, answering: bool) -> None:
-        """The OpenAI workers fail their requests in flight there; NGINX's timeouts decide its own."""
-        if self._openai is not None:
-            self._openai.abort_instance(host, port, reason, answering)
+        """The side workers fail their requests in flight there; NGINX's timeouts decide its own."""
+        self._side.abort_instance(host, port, reason, answering)
 
     def status(self) -> dict[str, Any]:
         """For the daemon's `status`: is the endpoint really there?"""
         master = self._master.status() if self._master is not None else {"state": "stopped", "pid": None}
         return {"kind": "nginx", **master,
-                "openai": self._openai.status() if self._openai is not None else None,
+                "side": self._side.status(),
                 "listen": _addr(self._listen[0], self._port),
                 # (a gRPC listener has its port: the asked one, then the bound one)
                 "grpc_listen": _addr(self._grpc_listen[0], self._grpc_port)  # type: ignore[arg-type]
@@ -258,10 +259,8 @@ class NginxProxy:
                 "last_error": self.last_error}
 
     def state_record(self) -> dict[str, Any]:
-        """What the next daemon needs to adopt this master and the OpenAI workers (live restore)."""
-        record: dict[str, Any] = {"listen": self._settings.public_addresses()}
-        if self._openai is not None:
-            record["workers"] = self._openai.workers_record()
+        """What the next daemon needs to adopt this master and the side workers (live restore)."""
+        record: dict[str, Any] = {"listen": self._settings.public_addresses(), "workers": self._side.workers_record()}
         master = self._master
         pid = master.pid if master is not None else None
         if pid is None:
@@ -273,7 +272,7 @@ class NginxProxy:
         return {**record,
                 "nginx": {"pid": pid, "create_time": created, "prefix": str(self._dir), "http_port": self._port,
                           "grpc_port": self._grpc_port,
-                          "openai_port": self._openai.bound_port if self._openai is not None else 0}}
+                          "side_port": self._side.bound_port}}
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -282,11 +281,10 @@ class NginxProxy:
         (self._dir / "temp").mkdir(exist_ok=True, mode=0o700)
         self._ready_file.parent.mkdir(exist_ok=True, mode=0o700)
         adopt = self._adopt
-        # The public ports first: one taken fails `up` before any OpenAI worker starts.
+        # The public ports first: one taken fails `up` before any side worker starts.
         listeners: list[socket.socket] = self._open_listeners() if adopt is None else []
         try:
-            if self._openai is not None:
-                await self._openai.start()  # its port goes into the config
+            await self._side.start()  # its port goes into the config
             if adopt is None:
                 error = await self._write_checked(self._render())
                 if error:
@@ -295,7 +293,7 @@ class NginxProxy:
         except BaseException:
             for s in listeners:
                 s.close()
-            await self._stop_openai(0)
+            await self._side.stop(0)
             raise
         self._master = NginxMaster(
             [binary, "-p", str(self._dir), "-c", str(self._conf), "-e", str(self._dir / "error.log"),
@@ -315,7 +313,7 @@ class NginxProxy:
                 await self._metrics_server.start()
         except BaseException:
             await self._master.stop(0)  # also closes the listening sockets
-            await self._stop_openai(0)
+            await self._side.stop(0)
             raise
         if adopt is not None:
             self._adopted_ready_hold()
@@ -342,7 +340,7 @@ class NginxProxy:
 
     async def detach(self) -> None:
         """Leave the master serving for the next daemon (an upgrade); stop what is ours."""
-        await self._end(lambda master: master.detach(), lambda openai: openai.detach())
+        await self._end(lambda master: master.detach(), lambda side: side.detach())
 
     def apply_settings(self, settings: Settings) -> None:
         """A reload of the daemon's config: nginx reloads only if the rendered config changed.
@@ -350,8 +348,7 @@ class NginxProxy:
         The daemon refuses changed listen addresses before this (they need down/up).
         """
         self._settings = settings
-        if self._openai is not None:
-            self._openai.apply_settings(settings)
+        self._side.apply_settings(settings)
         self._request_reload()
 
     async def wait_synced(self) -> None:
@@ -361,12 +358,12 @@ class NginxProxy:
                 await asyncio.shield(getattr(self, attr))
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        await self._end(lambda master: master.stop(grace_s), lambda openai: openai.stop(grace_s))
+        await self._end(lambda master: master.stop(grace_s), lambda side: side.stop(grace_s))
 
     async def _end(self, end_master: Callable[[NginxMaster], Awaitable[None]],
-                   end_openai: Callable[[OpenAIWorkers], Awaitable[None]]) -> None:
+                   end_side: Callable[[SideWorkers], Awaitable[None]]) -> None:
         """Stop or detach: our tasks first, then the master's watch (`end_master`), then the
-        OpenAI workers' (after nginx: its last /v1/ requests have drained through them)."""
+        side workers' (after nginx: the last requests it sent them have drained through them)."""
         self._stopping = True
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -381,8 +378,7 @@ class NginxProxy:
                 setattr(self, attr, None)
         if self._master is not None:
             await end_master(self._master)
-        if self._openai is not None:
-            await end_openai(self._openai)
+        await end_side(self._side)
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -495,13 +491,10 @@ class NginxProxy:
 
     def _render(self) -> str:
         worker_user = pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() == 0 else None
-        openai = self._openai.upstream if self._openai is not None else ""
+        side = self._side.upstream
         return render_nginx_config(self._settings, self._planned, self._dir, listen_port=self._port,
-                                   grpc_port=self._grpc_port, worker_user=worker_user, openai_upstream=openai)
-
-    async def _stop_openai(self, grace_s: float) -> None:
-        if self._openai is not None:
-            await self._openai.stop(grace_s)
+                                   grpc_port=self._grpc_port, worker_user=worker_user,
+                                   openai_upstream=side if self._settings.openai == "on" else "", backup=side)
 
     async def _write_checked(self, text: str) -> str:
         """Validate text with `nginx -t`; install it atomically if valid. Returns the error, or ''."""

@@ -161,7 +161,7 @@ class FrontPath:
         found = self._targets.get(line, False)
         if found is False:
             found = self._target(line)
-        # the OpenAI workers' requests (NGINX mode's /v1/) are aiohttp's; so is a request to hold
+        # the --proxy none side workers' requests (/v1/ alone) are aiohttp's; so is a request to hold
         if found is None or p._openai_only or p._stopping:
             return None
         backends = p._backends.current()

@@ -1,14 +1,18 @@
-"""The OpenAI API in data-plane workers of its own, for a proxy in front that cannot translate.
+"""Side workers: data-plane workers beside a proxy in front that cannot do it all.
 
-`--proxy nginx`: NGINX forwards /v1/ here (loopback, a free port unless --openai-listen);
-`--proxy none` with --openai-listen: a system NGINX does (render-nginx).
+`--proxy nginx`: NGINX cannot translate the OpenAI API, so it forwards /v1/ here; and it
+cannot hold a request, so this is its `backup` server: a native HTTP request that no instance
+took (every one refused, failed or is marked down) comes here, is held for `--hold-s` until
+an instance is ready and sent there (configs/nginx.conf.j2). Loopback, a free port unless
+--openai-listen. `--proxy none` with --openai-listen: a system NGINX sends /v1/ here
+(render-nginx); these workers serve nothing else.
 
 Before, the daemon served /v1/ in its own process: every daemon restart, watchdog restart
 and upgrade took it away (503 for ~2 s) while NGINX went on serving the native routes, and
 it had one core. Now it is the embedded data plane's WorkerPool: its workers live apart
 from the daemon (the next daemon adopts them and takes their socket over), one that dies is
 replaced, and they route on the same shared numbers. What differs is only the settings
-they run with (`openai_settings`), one rule for every such listener.
+they run with (`side_settings`), one rule for every such listener.
 
 It owns the pool (which owns the workers, the listening socket and the shared files).
 """
@@ -30,12 +34,11 @@ from orchestrator.routing.backends import ReadyBackends
 FLAG = "--openai-listen"
 
 
-def openai_settings(s: Settings, port: int = 0) -> Settings:
-    """What an OpenAI-only worker runs with: /v1/ alone on one listener (a worker whose
-    settings' proxy is not `embedded` serves nothing else: dataplane/worker.py), no gRPC and no
-    /metrics of its own (the daemon's /metrics reads its files), aiohttp's front (the compiled
-    one serves native routes only), and the proxy in front on this host trusted, so the client
-    address it forwards is kept."""
+def side_settings(s: Settings, port: int = 0) -> Settings:
+    """What a side worker runs with: HTTP on one listener (`--proxy none`'s serve /v1/ alone:
+    dataplane/worker.py), no gRPC and no /metrics of its own (the daemon's /metrics reads its
+    files), aiohttp's front (the compiled one is for the public port's small answers), and the
+    proxy in front on this host trusted, so the client address it forwards is kept."""
     return dataclasses.replace(s, listen=s.openai_listen or f"127.0.0.1:{port}", grpc_listen="", metrics_listen="",
                                front="aiohttp", trusted_proxy=(*s.trusted_proxy, "127.0.0.1", "::1"))
 
@@ -48,11 +51,11 @@ def upstream_address(openai_listen: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class OpenAIWorkers:
-    """/v1/ in worker processes: start(), stop(grace_s), detach(), apply_settings(), and what
-    the daemon asks of a data plane (status, inflight, llm_summary, held_now, abort_instance)."""
+class SideWorkers:
+    """Side workers: start(), stop(grace_s), detach(), apply_settings(), and what the daemon
+    asks of a data plane (status, inflight, llm_summary, held_now, abort_instance)."""
 
-    kind = "openai"
+    kind = "side"
 
     def __init__(self, settings: Settings, backends: ReadyBackends, state_dir: Path,
                  logger: logging.Logger | None = None, *, port: int = 0, adopt: list[AdoptableWorker] | None = None,
@@ -62,8 +65,8 @@ class OpenAIWorkers:
         is bound again where free, so the config needs no reload (a reload closes NGINX's idle
         client connections)."""
         self._settings = settings
-        self._log = logger or logging.getLogger("trtllm-orch.openai")
-        self._make = lambda port, adopt: WorkerPool(openai_settings(settings, port), backends, state_dir, self._log,
+        self._log = logger or logging.getLogger("trtllm-orch.side")
+        self._make = lambda port, adopt: WorkerPool(side_settings(settings, port), backends, state_dir, self._log,
                                                     on_change=on_change, adopt=adopt, listen_flag=FLAG)
         self._port = port
         self._adopt = list(adopt or [])
@@ -81,7 +84,7 @@ class OpenAIWorkers:
 
     @property
     def upstream(self) -> str:
-        """Where the proxy in front sends /v1/."""
+        """Where the proxy in front sends /v1/ (and NGINX what no instance took)."""
         return upstream_address(self._settings.openai_listen, self._bound_port)
 
     async def start(self) -> None:
@@ -90,7 +93,7 @@ class OpenAIWorkers:
         except OrchError as exc:
             if not self._port or self._settings.openai_listen or self._adopt:
                 raise
-            self._log.warning("OpenAI workers: port %d not free again (%s): a free one, and NGINX reloads",
+            self._log.warning("side workers: port %d not free again (%s): a free one, and NGINX reloads",
                               self._port, exc)
             self._port = 0
             self._pool = self._make(0, [])
@@ -109,7 +112,7 @@ class OpenAIWorkers:
 
     def apply_settings(self, settings: Settings) -> None:
         self._settings = settings
-        self._pool.apply_settings(openai_settings(settings, self._bound_port))
+        self._pool.apply_settings(side_settings(settings, self._bound_port))
 
     def state_record(self) -> dict[str, Any]:
         """The daemon's record of its data plane (live restore): that of the main settings'
