@@ -4,11 +4,12 @@ starting anything: this test's own process stands in for a live mpirun."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import psutil
 import pytest
 
-from orchestrator.controlplane.adoption import same_addresses, find_prior
+from orchestrator.controlplane.adoption import find_prior, same_addresses, workers_kind_for
 from orchestrator.launcher.command import LaunchCommand
 from orchestrator.plan import InstancePlan, Ports
 
@@ -87,6 +88,22 @@ def test_workers_serving_other_addresses_are_not_adopted():
     assert prior.workers == [] and "data plane: not adopted: it serves" in prior.notes[0]
 
 
+def test_workers_of_another_kind_are_not_adopted():
+    """Embedded workers serve the public sockets: a daemon started in NGINX mode on the same state
+    dir must not take them as its side workers (nor the other way round). A record without the
+    kind is an embedded data plane's (the only kind before the side workers)."""
+    me = psutil.Process()
+    worker = [{"slot": 0, "pid": me.pid, "create_time": me.create_time()}]
+    cases = (({}, "nginx"), ({"workers_kind": "embedded"}, "none"), ({"workers_kind": "side"}, "embedded"))
+    for recorded, proxy in cases:
+        state = {"instances": {}, "dataplane": {"listen": LISTEN, "workers": worker, **recorded}}
+        prior = find_prior(state, [PLAN], build, "/x", LISTEN, proxy=proxy)
+        kind = workers_kind_for(proxy)
+        assert prior.workers == [] and f"this config runs {kind} ones" in prior.notes[0], prior.notes
+    assert workers_kind_for("embedded") == "embedded"
+    assert workers_kind_for("nginx") == workers_kind_for("none") == "side"
+
+
 def test_an_address_the_daemon_before_did_not_record_counts_as_unset():
     """openai_listen is recorded since the side workers: an upgrade still adopts the data plane
     of the release before, unless this config sets it."""
@@ -130,6 +147,18 @@ def nginx_record(**kw) -> dict:
 ])
 def test_an_nginx_master_is_adopted_only_if_it_is_this_runs_and_serves_thesame_addresses(state, note):
     # (a real master is adopted end to end: tests/test_e2e_nginx_live_restore.py)
-    prior = find_prior(state, [PLAN], build, "/x", LISTEN)
+    prior = find_prior(state, [PLAN], build, "/x", LISTEN, proxy="nginx")
     assert prior.nginx is None and os.getpid() not in prior.keep_pids()
     assert any(note in n for n in prior.notes), prior.notes
+
+
+def test_a_config_of_another_mode_adopts_no_nginx_master():
+    """`up` in embedded mode after an NGINX-mode daemon's kill: its master, left serving the
+    public port, is swept (kept, it held the port the workers bind)."""
+    me = psutil.Process()
+    with mock.patch("orchestrator.controlplane.adoption._runs_with", return_value=True):
+        state = nginx_record()
+        assert find_prior(state, [PLAN], build, "/x", LISTEN, proxy="nginx").nginx.pid == me.pid
+        for proxy in ("embedded", "none"):
+            prior = find_prior(state, [PLAN], build, "/x", LISTEN, proxy=proxy)
+            assert prior.nginx is None and me.pid not in prior.keep_pids(), proxy

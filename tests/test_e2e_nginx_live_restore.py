@@ -19,7 +19,9 @@ import psutil
 import pytest
 
 from tests.test_e2e_faults import Load
-from tests.test_e2e_live_restore import Loop, Streams, engine_pids, grpc_client, kill_and_up_under_load, openai_client
+from tests.test_e2e_live_restore import (Loop, Streams, engine_pids, grpc_client, kill_and_up_under_load, kill_daemon,
+                                         openai_client, worker_pids)
+from tests.test_e2e_proxy import generate
 
 pytestmark = pytest.mark.e2e
 
@@ -120,3 +122,27 @@ def test_a_detached_daemon_leaves_nginx_and_an_adopted_master_that_dies_is_repla
     while not gone(old) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(old), [p for p in old if psutil.pid_exists(p)]
+
+
+def test_up_in_another_mode_after_a_kill_takes_over_none_of_the_other_data_plane(orch_run):
+    """kill -9 of an embedded daemon, then `up --proxy nginx` on the same state dir and ports: the
+    embedded workers, which hold the public socket, are swept, not adopted as side workers (they
+    would have handed NGINX's port to the side workers), and NGINX serves. And back: NGINX and its
+    side workers swept, not kept beside the new embedded workers."""
+    run = orch_run(gpus="0-1", tp=1, assume_gpus=2, extra=("--proxy-workers", "2")).start()
+    embedded = worker_pids(run.status())
+    kill_daemon(run)
+    run.args[run.args.index("--proxy") + 1] = "nginx"
+    run.start()
+    st = run.status()
+    assert nginx_of(st)["state"] == "running" and not set(side_worker_pids(st)) & set(embedded)
+    assert gone(embedded), embedded
+    assert generate(run)[0] == 200
+    assert "data plane: not adopted: its workers are embedded workers" in run.daemon_log()
+    nginx = [nginx_of(st)["pid"], *side_worker_pids(st)]
+    kill_daemon(run)
+    run.args[run.args.index("--proxy") + 1] = "embedded"
+    run.start()
+    st = run.status()
+    assert st["proxies"][0]["kind"] == "embedded" and gone(nginx), nginx
+    assert generate(run)[0] == 200

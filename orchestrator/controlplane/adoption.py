@@ -92,8 +92,9 @@ class Prior:
 
 def find_prior(state: dict[str, Any] | None, plans: Iterable[InstancePlan],
                build_command: Callable[[InstancePlan], LaunchCommand], state_dir: str,
-               listen: dict[str, str], local_launcher: bool = True) -> Prior:
-    """What in `state` (state.json of the previous daemon) this daemon may adopt."""
+               listen: dict[str, str], local_launcher: bool = True, proxy: str = "embedded") -> Prior:
+    """What in `state` (state.json of the previous daemon) this daemon may adopt. proxy: this
+    config's --proxy: the data plane of another mode is not adopted (its processes are swept)."""
     prior = Prior()
     if state is None:
         return prior
@@ -117,10 +118,11 @@ def find_prior(state: dict[str, Any] | None, plans: Iterable[InstancePlan],
                                + (f"; {why.stale}: replaced by a rolling restart once adopted" if why.stale else ""))
         elif why:
             prior.notes.append(f"instance {iid}: not adopted: {why}")
-    prior.workers, worker_notes = _workers(state.get("dataplane"), state_dir, listen)
+    prior.workers, worker_notes = _workers(state.get("dataplane"), state_dir, listen, workers_kind_for(proxy))
     prior.notes += worker_notes
-    prior.nginx, nginx_notes = _nginx(state.get("dataplane"), state_dir, listen)
-    prior.notes += nginx_notes
+    if proxy == "nginx":  # else a master left serving the port is swept, not kept beside the new data plane
+        prior.nginx, nginx_notes = _nginx(state.get("dataplane"), state_dir, listen)
+        prior.notes += nginx_notes
     return prior
 
 
@@ -161,11 +163,23 @@ def _same_place(launch: str, plan: InstancePlan) -> bool:
             f"--grpc-port={p.grpc}", f"--metrics-port={p.metrics}"} <= words
 
 
-def _workers(record: Any, state_dir: str, listen: dict[str, str]) -> tuple[list[AdoptableWorker], list[str]]:
+def workers_kind_for(proxy: str) -> str:
+    """The data-plane workers a `--proxy` mode runs: the embedded data plane's, which serve the
+    public sockets, or the side workers beside NGINX (controlplane/side_workers.py). A daemon
+    started in another mode must not adopt the other kind: side workers would take the public
+    sockets over from embedded ones."""
+    return "embedded" if proxy == "embedded" else "side"
+
+
+def _workers(record: Any, state_dir: str, listen: dict[str, str],
+             kind: str) -> tuple[list[AdoptableWorker], list[str]]:
     if not isinstance(record, dict) or not record.get("workers"):
         return [], []
     if not same_addresses(record.get("listen"), listen):
         return [], [f"data plane: not adopted: it serves {record.get('listen')}, this config {listen}"]
+    was = record.get("workers_kind", "embedded")  # a daemon before the side workers ran only those
+    if was != kind:
+        return [], [f"data plane: not adopted: its workers are {was} workers, this config runs {kind} ones"]
     out, notes = [], []
     for w in record["workers"]:
         try:

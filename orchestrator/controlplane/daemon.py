@@ -115,7 +115,7 @@ class Daemon:
     def _find_prior(self) -> Prior:
         return find_prior(self.state_dir.read_state(), self.plan.instances, self._build_command,
                           str(self.state_dir.root), self.settings.public_addresses(),
-                          local_launcher=self._launcher is None)
+                          local_launcher=self._launcher is None, proxy=self.settings.proxy)
 
     def _make_shared(self, watcher: ExitWatcher, session: aiohttp.ClientSession) -> Shared:
         root = str(self.state_dir.root)

@@ -117,7 +117,7 @@ class SideWorkers:
     def state_record(self) -> dict[str, Any]:
         """The daemon's record of its data plane (live restore): that of the main settings'
         addresses, which the next daemon compares with its own."""
-        return {**self._pool.state_record(), "listen": self._settings.public_addresses()}
+        return {**self._pool.state_record(), "listen": self._settings.public_addresses(), "workers_kind": self.kind}
 
     def workers_record(self) -> list[dict[str, Any]]:
         return list(self._pool.state_record()["workers"])

@@ -598,7 +598,7 @@ class WorkerPool:
                 if created is not None:
                     workers.append({"slot": slot.index, "pid": proc.pid, "create_time": created,
                                     "version": slot.version})
-        return {"listen": s.public_addresses(), "workers": workers}
+        return {"listen": s.public_addresses(), "workers": workers, "workers_kind": self.kind}
 
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self._slots.values() if s.proc is not None and s.proc.returncode is None]

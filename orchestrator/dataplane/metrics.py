@@ -13,10 +13,10 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
