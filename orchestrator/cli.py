@@ -239,8 +239,9 @@ def _check_listen_ports(settings: cfg.Settings, plan, sd, instances: bool = True
         if busy:
             raise UsageError("--base-port", settings.base_port,
                              f"instance {inst.instance_id} port(s) in use: {', '.join(busy)}")
+    from orchestrator.controlplane.side_workers import runs_side_workers
     names = [] if settings.proxy == "none" else ["listen", "grpc_listen", "metrics_listen"]
-    if settings.proxy == "nginx" or (settings.proxy == "none" and settings.openai == "on"):
+    if runs_side_workers(settings):
         names.append("openai_listen")  # the side workers' (controlplane/side_workers.py)
     for name in names:
         value = getattr(settings, name)

@@ -48,9 +48,9 @@ def make_proxies(settings: Settings, backends: ReadyBackends, state_dir: Path, *
     """
     logger = logging.getLogger("trtllm-orch.proxy")
     if settings.proxy == "none":
-        if settings.openai == "on" and settings.openai_listen:
+        from orchestrator.controlplane.side_workers import SideWorkers, runs_side_workers
+        if runs_side_workers(settings):
             # The OpenAI API for a system NGINX, which forwards /v1/ here (render-nginx).
-            from orchestrator.controlplane.side_workers import SideWorkers
             return [SideWorkers(settings, backends, state_dir, logger, adopt=adopt, on_change=on_change)]
         return []
     if settings.proxy == "nginx":

@@ -51,6 +51,12 @@ def upstream_address(openai_listen: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def runs_side_workers(s: Settings) -> bool:
+    """Whether this config runs side workers: NGINX mode always (its /v1/ and its hold), `--proxy
+    none` where a system NGINX's /v1/ is to go to --openai-listen."""
+    return s.proxy == "nginx" or (s.proxy == "none" and s.openai == "on" and bool(s.openai_listen))
+
+
 class SideWorkers:
     """Side workers: start(), stop(grace_s), detach(), apply_settings(), and what the daemon
     asks of a data plane (status, inflight, llm_summary, held_now, abort_instance)."""
@@ -118,9 +124,6 @@ class SideWorkers:
         """The daemon's record of its data plane (live restore): that of the main settings'
         addresses, which the next daemon compares with its own."""
         return {**self._pool.state_record(), "listen": self._settings.public_addresses(), "workers_kind": self.kind}
-
-    def workers_record(self) -> list[dict[str, Any]]:
-        return list(self._pool.state_record()["workers"])
 
     def pids(self) -> list[int]:
         return self._pool.pids()

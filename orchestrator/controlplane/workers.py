@@ -125,7 +125,6 @@ class WorkerPool:
         self._adopt = list(adopt or [])
         self._adopting = bool(self._adopt)
         self._handover: asyncio.Task[None] | None = None
-        self._got_sockets = asyncio.Event()
         self._bound = asyncio.Event()  # the listening socket is here: bound, or handed over
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -219,7 +218,7 @@ class WorkerPool:
 
     async def _after_handover(self) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._got_sockets.wait(), HANDOVER_TIMEOUT_S)
+            await asyncio.wait_for(self._bound.wait(), HANDOVER_TIMEOUT_S)
         s = self._settings
         if not self._sockets:
             self._log.warning("live restore: no worker handed its sockets over in %.0fs: they are "
@@ -290,7 +289,6 @@ class WorkerPool:
                         sock = socket.socket(fileno=fd)
                         sock.setblocking(False)
                         self._sockets[name] = sock
-                    self._got_sockets.set()
                     if "listen" in self._sockets:
                         self._bound.set()
         finally:

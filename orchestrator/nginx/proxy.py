@@ -260,8 +260,7 @@ class NginxProxy:
 
     def state_record(self) -> dict[str, Any]:
         """What the next daemon needs to adopt this master and the side workers (live restore)."""
-        record: dict[str, Any] = {"listen": self._settings.public_addresses(), "workers": self._side.workers_record(),
-                                  "workers_kind": SideWorkers.kind}
+        record = self._side.state_record()  # the addresses, the side workers and their kind
         master = self._master
         pid = master.pid if master is not None else None
         if pid is None:
